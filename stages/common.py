@@ -48,6 +48,7 @@ class Paths:
     """Artifact locations of DESIGN §10, relative to the project root."""
 
     root: Path
+    cache: Path | None = None   # converted-model cache shared between workspaces (default scratch/models)
 
     @property
     def scratch(self) -> Path:
@@ -55,7 +56,7 @@ class Paths:
 
     @property
     def model_cache(self) -> Path:
-        return self.scratch / "models"
+        return self.cache or self.scratch / "models"
 
     def prepared(self, source: str) -> Path:
         return self.root / "data" / "prepared" / f"{source}.jsonl"
