@@ -121,9 +121,15 @@ def _split_values(text: str) -> list[str]:
 
 def _parse_scalar(text: str) -> Any:
     try:
-        return yaml.safe_load(text) if text.strip() else ""
+        value = yaml.safe_load(text) if text.strip() else ""
     except yaml.YAMLError:
         return text
+    if isinstance(value, str):  # YAML 1.1 reads '1e-4' as a string
+        try:
+            return float(value)
+        except ValueError:
+            pass
+    return value
 
 
 def parse_overrides(overrides: list[str]) -> dict[str, list[Any]]:
@@ -172,9 +178,13 @@ def _validate(tree: dict, origin: str) -> Config:
 
 # -- profiles ----------------------------------------------------------------------------------------------------
 
-def profile_path(profile: str | None) -> Path:
-    """'default' (or None) -> params.yaml; a name -> profiles/<name>.yaml; a path -> itself."""
-    if profile in (None, "", "default"):
+def profile_path(profile: str | None, root: Path | None = None) -> Path:
+    """None -> <root>/params.yaml (the DVC workspace's params); 'default' -> the project's params.yaml;
+    a name -> profiles/<name>.yaml; a path -> itself."""
+    if profile in (None, ""):
+        local = Path(root or Path.cwd()) / "params.yaml"
+        return local if local.exists() else ROOT / "params.yaml"
+    if profile == "default":
         return ROOT / "params.yaml"
     p = Path(profile)
     if p.suffix in (".yaml", ".yml") and p.exists():
@@ -186,8 +196,8 @@ def profile_path(profile: str | None) -> Path:
     return named
 
 
-def load_tree(profile: str | None) -> dict:
-    path = profile_path(profile)
+def load_tree(profile: str | None, root: Path | None = None) -> dict:
+    path = profile_path(profile, root)
     try:
         tree = yaml.safe_load(path.read_text()) or {}
     except yaml.YAMLError as exc:
@@ -197,13 +207,13 @@ def load_tree(profile: str | None) -> dict:
     return tree
 
 
-def load_config(profile: str | None = None, overrides: list[str] | None = None) -> Config:
+def load_config(profile: str | None = None, overrides: list[str] | None = None, root: Path | None = None) -> Config:
     """Load and validate a profile with single-valued overrides applied."""
     axes = parse_overrides(overrides or [])
     multi = [k for k, v in axes.items() if len(v) > 1]
     if multi:
         raise ConfigError(f"grid values for {', '.join(multi)} are only for `kvshot sweep`")
-    tree = load_tree(profile)
+    tree = load_tree(profile, root)
     for key, (value,) in axes.items():
         _set(tree, key, value)
     return _validate(tree, f"profile {profile or 'default'}")

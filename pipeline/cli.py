@@ -1,0 +1,222 @@
+"""`kvshot`: every DAG stage alone, sweeps on Ray Tune, the whole DAG through DVC, and the MLflow UI.
+
+Every command takes `--profile NAME` (params.yaml of the working directory when omitted) and `key=value`
+overrides (DESIGN §10); a bad key, value or input is one red line and exit code 2.
+"""
+from __future__ import annotations
+
+import os
+import sys
+from pathlib import Path
+from typing import Callable, Optional
+
+import typer
+from rich.console import Console
+
+from pipeline.config import Config, ConfigError, check_hardware, load_config
+
+app = typer.Typer(add_completion=False, no_args_is_help=True, pretty_exceptions_enable=False,
+                  help="kvshot: reproduce the KVShot drafter experiments (prepare -> ... -> report).")
+console = Console(stderr=True)
+
+ProfileOpt = typer.Option(None, "--profile", "-p", help="Profile name (profiles/NAME.yaml), 'default', or a YAML path.")
+RootOpt = typer.Option(Path("."), "--root", help="Workspace root holding data/, runs/, metrics/ (DVC runs stages here).")
+OverridesArg = typer.Argument(None, help="Overrides KEY=VALUE, e.g. depth=2 train.lr=1e-4.")
+
+
+def _fail(message: str) -> None:
+    console.print(f"[bold red]error:[/] {message}", highlight=False, soft_wrap=True)
+    raise typer.Exit(2)
+
+
+_STATE: dict = {}
+
+
+def _guarded(fn: Callable[[], object], command: str | None = None) -> object:
+    """Run a command body, turning known user-facing errors into one line and exit code 2; a stage command's
+    wall time is recorded in its workspace for the report's provenance."""
+    import time
+
+    from models.target import TargetLoadError
+    from stages.common import StageError
+
+    start = time.perf_counter()
+    try:
+        out = fn()
+        if command and "root" in _STATE:
+            from pipeline.provenance import record_time
+            record_time(_STATE["root"], command, time.perf_counter() - start)
+        return out
+    except (ConfigError, StageError, TargetLoadError) as exc:
+        _fail(str(exc).splitlines()[0] if str(exc) else type(exc).__name__)
+    except KeyboardInterrupt:
+        console.print("[yellow]interrupted; finished work is kept and the next run resumes from it[/]")
+        raise typer.Exit(130)
+
+
+def _setup(profile: Optional[str], overrides: Optional[list[str]], root: Path) -> tuple[Config, "Paths"]:
+    from stages.common import Paths
+
+    root = root.resolve()
+    _STATE["root"] = root
+    cfg = load_config(profile, overrides or [], root=root)
+    check_hardware(cfg)
+    cache = os.environ.get("KVSHOT_MODEL_CACHE")
+    return cfg, Paths(root=root, cache=Path(cache) if cache else None)
+
+
+def _stage_report(cfg: Config, stage: str, paths) -> Callable:
+    """Metrics of a stage run alone go to MLflow when tracking is available, else nowhere (progress is shown)."""
+    try:
+        from pipeline.tracking import standalone_report
+    except ImportError:
+        from stages.common import console_report
+        return console_report
+    return standalone_report(cfg, stage, paths)
+
+
+@app.command()
+def prepare(overrides: Optional[list[str]] = OverridesArg, profile: Optional[str] = ProfileOpt, root: Path = RootOpt):
+    """Load and clean the raw conversations -> data/prepared/<source>.jsonl."""
+    def body():
+        from stages import prepare as stage
+        cfg, paths = _setup(profile, overrides, root)
+        stage.run(cfg.data, paths, _stage_report(cfg, "prepare", paths))
+    _guarded(body, "prepare")
+
+
+@app.command()
+def regenerate(overrides: Optional[list[str]] = OverridesArg, profile: Optional[str] = ProfileOpt,
+               root: Path = RootOpt):
+    """Replace every assistant turn with the target's own answer -> data/regenerated/<source>.jsonl."""
+    def body():
+        from stages import regenerate as stage
+        cfg, paths = _setup(profile, overrides, root)
+        stage.run(cfg.regenerate, cfg.target, list(cfg.data.sources), paths, _stage_report(cfg, "regenerate", paths))
+    _guarded(body, "regenerate")
+
+
+@app.command()
+def features(overrides: Optional[list[str]] = OverridesArg, profile: Optional[str] = ProfileOpt,
+             root: Path = RootOpt):
+    """Run the target once over the regenerated data -> data/features/<scale>/ (the offline feature cache)."""
+    def body():
+        from stages import features as stage
+        cfg, paths = _setup(profile, overrides, root)
+        stage.run(cfg.features, cfg.target, cfg.data, paths, _stage_report(cfg, "features", paths))
+    _guarded(body, "features")
+
+
+@app.command()
+def train(overrides: Optional[list[str]] = OverridesArg, profile: Optional[str] = ProfileOpt, root: Path = RootOpt,
+          study: str = typer.Option("adhoc", help="Study folder under runs/.")):
+    """Train one drafter for the resolved config -> runs/<study>/<trial>/."""
+    def body():
+        from pipeline import sweep
+        cfg, paths = _setup(profile, overrides, root)
+        trial = sweep.single_trial(cfg, study)
+        sweep.train_one(trial, paths, _stage_report(cfg, "train", paths))
+        console.print(f"trained {trial.name} -> {paths.run_dir(study, trial.name)}")
+    _guarded(body, "train")
+
+
+@app.command()
+def evaluate(overrides: Optional[list[str]] = OverridesArg, profile: Optional[str] = ProfileOpt,
+             root: Path = RootOpt, study: str = typer.Option("adhoc", help="Evaluate every trained drafter of this study.")):
+    """Step-wise acceptance of a study's trained drafters -> metrics/stepwise/<study>.json."""
+    def body():
+        from pipeline import sweep
+        cfg, paths = _setup(profile, overrides, root)
+        sweep.evaluate_study(cfg, study, paths, _stage_report(cfg, "evaluate", paths))
+    _guarded(body, "evaluate")
+
+
+@app.command()
+def e2e(overrides: Optional[list[str]] = OverridesArg, profile: Optional[str] = ProfileOpt, root: Path = RootOpt):
+    """Tree speculative decoding with the trained drafters -> metrics/e2e.json."""
+    def body():
+        from stages import e2e as stage
+        cfg, paths = _setup(profile, overrides, root)
+        run_dirs = _e2e_run_dirs(cfg, paths)
+        stage.run(cfg.e2e, run_dirs, paths, _stage_report(cfg, "e2e", paths), target=cfg.target)
+    _guarded(body, "e2e")
+
+
+def _e2e_run_dirs(cfg: Config, paths) -> list[Path]:
+    """The drafters of every study marked e2e, plus any checkpoints named in e2e.checkpoints."""
+    dirs = []
+    for name, study in cfg.studies.items():
+        if study.e2e:
+            base = paths.root / "runs" / name
+            dirs += sorted(p for p in base.glob("*") if (p / "model.safetensors").is_file()) if base.is_dir() else []
+    return dirs + [Path(p) for p in cfg.e2e.checkpoints]
+
+
+@app.command()
+def report(overrides: Optional[list[str]] = OverridesArg, profile: Optional[str] = ProfileOpt, root: Path = RootOpt):
+    """Paper-style tables, figures and findings -> reports/README.md, reports/figures/."""
+    def body():
+        from pipeline.provenance import provenance
+        from stages import report as stage
+        cfg, paths = _setup(profile, overrides, root)
+        stage.run(cfg.report, provenance(cfg, paths), paths, _stage_report(cfg, "report", paths))
+        console.print(f"wrote {paths.reports / 'README.md'}")
+    _guarded(body, "report")
+
+
+@app.command()
+def sweep(overrides: Optional[list[str]] = OverridesArg, profile: Optional[str] = ProfileOpt, root: Path = RootOpt,
+          study: Optional[str] = typer.Option(None, help="Run this study of the profile (or name an ad-hoc sweep)."),
+          dry_run: bool = typer.Option(False, "--dry-run", help="Show the grid of resolved trials; run nothing.")):
+    """Run a grid (KEY=V1,V2 ...) or a study on Ray Tune: train then evaluate every trial."""
+    def body():
+        from pipeline import sweep as runner
+        from pipeline.config import parse_overrides
+        from stages.common import Paths
+
+        rootp = root.resolve()
+        _STATE["root"] = rootp
+        cfg = load_config(profile, [], root=rootp)
+        axes = parse_overrides(overrides or [])
+        trials = runner.plan(cfg, axes, study)
+        if dry_run:
+            runner.show_plan(trials, console=Console())
+            return
+        check_hardware(cfg)
+        cache = os.environ.get("KVSHOT_MODEL_CACHE")
+        result = runner.run_sweep(trials, Paths(root=rootp, cache=Path(cache) if cache else None))
+        if result.failed:
+            _fail(f"{result.failed} of {len(trials)} trials failed: {', '.join(result.failed_names)}")
+    _guarded(body, f"sweep:{study or 'adhoc'}")
+
+
+@app.command()
+def repro(profile: Optional[str] = ProfileOpt,
+          force: bool = typer.Option(False, "--force", help="Re-run every stage even if up to date.")):
+    """The whole DAG through DVC. The default profile runs in the project root; any other profile in its own
+    workspace scratch/workspaces/<profile>/, whose params.yaml is the resolved profile (so DVC tracks it)."""
+    def body():
+        from pipeline.dvc_workspace import repro as run_repro
+        cfg = load_config(profile if profile not in (None, "") else "default")
+        check_hardware(cfg)
+        code = run_repro(cfg, profile or "default", force=force)
+        if code:
+            _fail(f"dvc repro failed (exit {code}); finished stages are kept, run again to resume")
+    _guarded(body)
+
+
+@app.command()
+def ui(port: int = typer.Option(5000, help="Port on 127.0.0.1."), root: Path = RootOpt):
+    """Serve the MLflow UI for this project's runs on 127.0.0.1."""
+    def body():
+        from pipeline.ui import serve
+        serve(root.resolve(), port=port)
+    _guarded(body)
+
+
+def main() -> None:  # pragma: no cover - console script entry
+    app()
+
+
+if __name__ == "__main__":  # pragma: no cover
+    sys.exit(app())

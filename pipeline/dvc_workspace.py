@@ -1,0 +1,69 @@
+"""`kvshot repro`: run the DVC DAG for a profile.
+
+The default profile runs in the project root against the committed params.yaml. Any other profile runs in its
+own workspace `scratch/workspaces/<profile>/`: a DVC project (no SCM) holding a copy of dvc.yaml and a params.yaml
+that is the fully resolved profile, so DVC tracks that profile's params and each profile keeps its own data,
+runs and dvc.lock without touching the default's.
+"""
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import yaml
+
+from pipeline.config import ROOT, Config
+
+
+def dvc_env(root: Path) -> dict[str, str]:
+    """Environment for DVC and the stage commands it spawns (kvshot on PATH, nothing phoning home)."""
+    env = dict(os.environ)
+    bindir = str(Path(sys.executable).parent)
+    env["PATH"] = bindir + os.pathsep + env.get("PATH", "")
+    env.setdefault("DVC_NO_ANALYTICS", "1")
+    env.setdefault("DVC_SITE_CACHE_DIR", str(root / "scratch" / "dvc-site"))
+    env.setdefault("KVSHOT_MODEL_CACHE", str(ROOT / "scratch" / "models"))
+    env.setdefault("RAY_USAGE_STATS_ENABLED", "0")
+    env.setdefault("MLFLOW_DISABLE_TELEMETRY", "true")
+    env.setdefault("HF_HUB_OFFLINE", "1")
+    env.setdefault("TOKENIZERS_PARALLELISM", "false")
+    env.setdefault("MPLBACKEND", "Agg")
+    return env
+
+
+def workspace(profile: str) -> Path:
+    return ROOT / "scratch" / "workspaces" / profile
+
+
+def _write_if_changed(path: Path, text: str) -> None:
+    if not path.exists() or path.read_text() != text:
+        tmp = path.with_suffix(path.suffix + ".tmp")
+        tmp.write_text(text)
+        os.replace(tmp, path)
+
+
+def prepare_workspace(cfg: Config, profile: str) -> Path:
+    """Create or refresh the workspace of a non-default profile; returns its root."""
+    ws = workspace(profile)
+    ws.mkdir(parents=True, exist_ok=True)
+    env = dvc_env(ws)
+    if not (ws / ".dvc").is_dir():
+        subprocess.run(["dvc", "init", "--no-scm", "-q"], cwd=ws, env=env, check=True)
+        subprocess.run(["dvc", "config", "core.analytics", "false"], cwd=ws, env=env, check=True)
+    _write_if_changed(ws / "dvc.yaml", (ROOT / "dvc.yaml").read_text())
+    _write_if_changed(ws / "params.yaml", yaml.safe_dump(cfg.model_dump(mode="json"), sort_keys=False))
+    return ws
+
+
+def repro(cfg: Config, profile: str, force: bool = False) -> int:
+    """Run `dvc repro` for the profile; returns DVC's exit code."""
+    root = ROOT if profile == "default" else prepare_workspace(cfg, profile)
+    (root / "scratch").mkdir(parents=True, exist_ok=True)
+    cmd = ["dvc", "repro"] + (["--force"] if force else [])
+    env = dvc_env(root)
+    if shutil.which("dvc", path=env["PATH"]) is None:
+        raise FileNotFoundError("dvc is not installed in this environment (run `make setup`)")
+    return subprocess.run(cmd, cwd=root, env=env).returncode

@@ -1,0 +1,59 @@
+"""What the report states about the run that produced it: profile, target, data, commit, date, hardware, time."""
+from __future__ import annotations
+
+import datetime as dt
+import json
+import platform
+import subprocess
+from pathlib import Path
+
+from pipeline.config import ROOT, Config
+
+TIMINGS = "scratch/timings.json"
+
+
+def git_commit(root: Path = ROOT) -> str:
+    try:
+        out = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=root, capture_output=True, text=True,
+                             timeout=10)
+        return out.stdout.strip() or "unknown"
+    except (OSError, subprocess.SubprocessError):
+        return "unknown"
+
+
+def hardware() -> str:
+    import psutil
+    import torch
+
+    cpu = platform.processor() or platform.machine()
+    mem = psutil.virtual_memory().total / 2**30
+    gpu = torch.cuda.get_device_name(0) if torch.cuda.is_available() else "no GPU"
+    return f"{psutil.cpu_count(logical=True)} CPU cores ({cpu}), {mem:.0f} GiB RAM, {gpu}"
+
+
+def record_time(root: Path, command: str, seconds: float) -> None:
+    """Remember the latest wall time of each stage command in the workspace (summed by the report)."""
+    path = Path(root) / TIMINGS
+    path.parent.mkdir(parents=True, exist_ok=True)
+    times = json.loads(path.read_text()) if path.exists() else {}
+    times[command] = round(seconds, 1)
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text(json.dumps(times, indent=1, sort_keys=True))
+    tmp.replace(path)
+
+
+def provenance(cfg: Config, paths) -> dict:
+    """The context the report stage prints: everything optional is 'unknown' when it cannot be read."""
+    times_path = Path(paths.root) / TIMINGS
+    times = json.loads(times_path.read_text()) if times_path.exists() else {}
+    return {
+        "profile": cfg.profile,
+        "target": cfg.target.source,
+        "data_sizes": {"eval": cfg.data.eval_size, **cfg.data.scales},
+        "git_commit": git_commit(),
+        "date": dt.date.today().isoformat(),
+        "hardware": hardware(),
+        "wall_time_s": sum(times.values()) if times else None,
+        "stage_times_s": times,
+        "studies": list(cfg.studies),
+    }

@@ -1,0 +1,175 @@
+"""One trial of a sweep: train a drafter into runs/<study>/<trial>/, then evaluate it step-wise.
+
+A `Trial` is plain data (picklable, shipped to Ray workers); `run_trial` is the default trial function the sweep
+runner calls in a worker, `execute` wraps any trial function with the run-directory bookkeeping that makes
+sweeps resumable (fingerprint file, result.json).
+"""
+from __future__ import annotations
+
+import inspect
+import json
+import shutil
+import time
+import traceback
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable
+
+from stages.common import Paths, Report, write_json_atomic, write_text_atomic
+
+RESULT_FILE = "result.json"
+FINGERPRINT_FILE = "fingerprint"
+# Variants whose init=ckpt loads the trained eagle3 drafter of the same data (DESIGN §5).
+CKPT_CHILDREN = ("hybrid", "cross_only")
+
+
+@dataclass
+class Trial:
+    """A planned trial: its name in runs/<study>/, the values that vary, and the resolved config."""
+
+    name: str
+    study: str
+    values: dict[str, Any]
+    config: Any                               # pipeline.config.Config (kept untyped: no import cycle)
+    depends_on: str | None = None             # the eagle3 trial a ckpt-initialised child loads
+    fingerprint: str = ""                     # set by the runner before the trial starts
+    data_hashes: dict[str, str] = field(default_factory=dict)
+
+    @property
+    def variant(self) -> str:
+        return self.config.drafter.variant
+
+    def run_dir(self, paths: Paths) -> Path:
+        return paths.run_dir(self.study, self.name)
+
+
+TrialFn = Callable[[Trial, Paths, Report], dict]
+
+
+def needs_parent(cfg: Any) -> bool:
+    """Does this config initialise from a trained eagle3 drafter?"""
+    return cfg.drafter.variant in CKPT_CHILDREN and cfg.drafter.init == "ckpt"
+
+
+# -- the run directory -------------------------------------------------------------------------------------------
+
+def cached_result(trial: Trial, paths: Paths) -> dict | None:
+    """The stored result row of a finished trial with the same fingerprint, else None."""
+    run_dir = trial.run_dir(paths)
+    fp_file, res_file = run_dir / FINGERPRINT_FILE, run_dir / RESULT_FILE
+    if not (fp_file.is_file() and res_file.is_file()):
+        return None
+    if fp_file.read_text().strip() != trial.fingerprint:
+        return None
+    try:
+        row = json.loads(res_file.read_text())
+    except json.JSONDecodeError:
+        return None   # a damaged result is re-computed, never trusted
+    if row.get("fingerprint") != trial.fingerprint or row.get("status") != "ok":
+        return None
+    return row
+
+
+def prepare_run_dir(trial: Trial, paths: Paths) -> Path:
+    """Make runs/<study>/<trial>/ ready: a run of another fingerprint is stale and removed (so training never
+    resumes from its checkpoint); a run of the same fingerprint is kept (training resumes from its checkpoint)."""
+    run_dir = trial.run_dir(paths)
+    fp_file = run_dir / FINGERPRINT_FILE
+    if run_dir.exists() and (not fp_file.is_file() or fp_file.read_text().strip() != trial.fingerprint):
+        shutil.rmtree(run_dir)
+    run_dir.mkdir(parents=True, exist_ok=True)
+    (run_dir / RESULT_FILE).unlink(missing_ok=True)
+    write_text_atomic(fp_file, trial.fingerprint + "\n")
+    return run_dir
+
+
+def base_row(trial: Trial) -> dict:
+    """The identifying columns of a stepwise row (DESIGN §10), before any metric is known."""
+    d, t = trial.config.drafter, trial.config.train
+    return {"trial": trial.name, "study": trial.study, "variant": d.variant, "depth": d.depth,
+            "injection": d.injection, "rope_fix": d.rope_fix, "init": d.init, "scale": t.scale, "seed": t.seed,
+            "values": trial.values, "fingerprint": trial.fingerprint}
+
+
+def failed_row(trial: Trial, error: str, wall_s: float | None = None) -> dict:
+    return {**base_row(trial), "alpha": None, "acc": None, "mat": None, "retention": None,
+            "status": "failed", "error": error, "wall_s": wall_s}
+
+
+def execute(trial: Trial, paths: Paths, report: Report, trial_fn: TrialFn) -> dict:
+    """Run `trial_fn` in a prepared run directory; return its row (status ok) or a failed row, never raise.
+
+    On success result.json is written last and atomically, so its presence marks a finished trial.
+    """
+    start = time.perf_counter()
+    try:
+        run_dir = prepare_run_dir(trial, paths)
+        row = trial_fn(trial, paths, report)
+        if not isinstance(row, dict):
+            raise TypeError(f"trial function returned {type(row).__name__}, expected a result row dict")
+        row = {**base_row(trial), **row, "trial": trial.name, "study": trial.study,
+               "fingerprint": trial.fingerprint, "status": "ok", "error": None,
+               "wall_s": round(time.perf_counter() - start, 3)}
+        write_json_atomic(run_dir / RESULT_FILE, row)
+        return row
+    except BaseException as exc:  # noqa: BLE001 - a trial's failure is data for the sweep, not a crash
+        if isinstance(exc, KeyboardInterrupt):
+            raise
+        first = str(exc).splitlines()[0] if str(exc) else ""
+        err = f"{type(exc).__name__}: {first}" if first else type(exc).__name__
+        row = failed_row(trial, err, round(time.perf_counter() - start, 3))
+        row["traceback"] = traceback.format_exc(limit=20)
+        return row
+
+
+# -- the default trial: the real stages --------------------------------------------------------------------------
+
+def _call(fn: Callable, *args: Any, required: tuple[str, ...] = (), **kwargs: Any) -> Any:
+    """Call a stage entry with the keyword arguments it declares (all of them if it takes **kwargs).
+
+    Extra context (target, data, ...) is offered to every stage; a stage that does not declare one simply does
+    not need it. A keyword in `required` that the stage cannot take is an error, not a silent drop.
+    """
+    sig = inspect.signature(fn)
+    takes_all = any(p.kind is inspect.Parameter.VAR_KEYWORD for p in sig.parameters.values())
+    accepted = {k: v for k, v in kwargs.items() if takes_all or k in sig.parameters}
+    missing = [k for k in required if k not in accepted]
+    if missing:
+        raise TypeError(f"{fn.__module__}.{fn.__name__} does not accept {', '.join(missing)}")
+    return fn(*args, **accepted)
+
+
+def _prefixed(report: Report, prefix: str) -> Report:
+    def send(metrics: dict[str, float], step: int | None = None) -> None:
+        report({f"{prefix}{k}": v for k, v in metrics.items()}, step)
+    return send
+
+
+def train_trial(trial: Trial, paths: Paths, report: Report) -> Path:
+    """Train the trial's drafter into its run directory (a ckpt-initialised child loads its parent's run)."""
+    from stages import train
+
+    cfg = trial.config
+    run_dir = trial.run_dir(paths)
+    init_from = paths.run_dir(trial.study, trial.depends_on) if trial.depends_on else None
+    required = ("init_from",) if init_from else ()
+    _call(train.run, cfg.drafter, cfg.train, run_dir, paths, report, required=required,
+          init_from=init_from, target=cfg.target, data=cfg.data, features=cfg.features)
+    return run_dir
+
+
+def evaluate_runs(cfg: Any, run_dirs: list[Path], paths: Paths, report: Report) -> list[dict]:
+    """Step-wise evaluation of trained run directories (one row each, DESIGN §10)."""
+    from stages import evaluate
+
+    return _call(evaluate.run, cfg.eval, run_dirs, paths, report, target=cfg.target, data=cfg.data,
+                 features=cfg.features, train=cfg.train)
+
+
+def run_trial(trial: Trial, paths: Paths, report: Report) -> dict:
+    """The default trial: train, then evaluate; training curves are reported as-is, eval metrics as `eval/…`."""
+    run_dir = train_trial(trial, paths, report)
+    rows = evaluate_runs(trial.config, [run_dir], paths, _prefixed(report, "eval/"))
+    if len(rows) != 1:
+        raise RuntimeError(f"evaluate returned {len(rows)} rows for one run directory {run_dir.name}")
+    return rows[0]

@@ -1,0 +1,86 @@
+"""Profiles validate; the override grammar resolves keys, builds grid axes and rejects bad input with one line."""
+import pytest
+import yaml
+
+from pipeline.config import (ConfigError, expand_grid, flatten, load_config, parse_overrides, profile_path,
+                             resolve_key, check_hardware)
+
+
+@pytest.mark.parametrize("profile", ["default", "smoke", "paper"])
+def test_every_profile_validates(profile):
+    cfg = load_config(profile)
+    assert cfg.profile == profile
+    assert set(cfg.studies) == {"injection", "depth", "hybrid", "scale"}
+
+
+def test_profiles_share_the_schema_of_params_yaml():
+    default = set(yaml.safe_load(profile_path("default").read_text()))
+    for name in ("smoke", "paper"):
+        assert set(yaml.safe_load(profile_path(name).read_text())) <= default | {"require_cuda"}
+
+
+def test_short_keys_resolve_when_unambiguous():
+    assert resolve_key("depth") == "drafter.depth"
+    assert resolve_key("variant") == "drafter.variant"
+    assert resolve_key("seed") == "train.seed"
+    assert resolve_key("eval.data") == "eval.data"
+    assert resolve_key("data.scales.small") == "data.scales.small"
+
+
+def test_ambiguous_and_unknown_keys_list_choices():
+    with pytest.raises(ConfigError, match="ambiguous key 'max_new_tokens'.*regenerate.max_new_tokens.*e2e.max_new_tokens"):
+        resolve_key("max_new_tokens")
+    with pytest.raises(ConfigError, match="unknown key 'bogus'; valid keys: .*drafter.depth"):
+        parse_overrides(["bogus=1"])
+
+
+def test_grid_axes_and_list_values():
+    axes = parse_overrides(["depth=1,2,3,4", "e2e.paper_tree=[8,10,60]", "rope_fix=true,false", "lr=1e-4"])
+    assert axes == {"drafter.depth": [1, 2, 3, 4], "e2e.paper_tree": [[8, 10, 60]],
+                    "drafter.rope_fix": [True, False], "train.lr": [1e-4]}
+    trials = expand_grid(load_config("smoke"), {"drafter.depth": [1, 2], "drafter.rope_fix": [True, False]})
+    assert len(trials) == 4
+    assert {(c.drafter.depth, c.drafter.rope_fix) for _, c in trials} == {(1, True), (1, False), (2, True), (2, False)}
+
+
+@pytest.mark.parametrize("override, needle", [
+    (["depth=two"], "drafter.depth.*'two'"),
+    (["variant=medusa"], "drafter.variant.*'medusa'"),
+    (["lr=-1"], "train.lr"),
+    (["depth"], "expected KEY=VALUE"),
+    (["depth="], "empty value"),
+    (["depth=1,2"], "only for `kvshot sweep`"),
+])
+def test_bad_values_are_one_line_errors(override, needle):
+    with pytest.raises(ConfigError, match=needle) as info:
+        load_config("smoke", override)
+    assert "\n" not in str(info.value)
+
+
+def test_unknown_profile_and_bad_yaml(tmp_path):
+    with pytest.raises(ConfigError, match="unknown profile 'nope'; choices: default, paper, smoke"):
+        load_config("nope")
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("drafter: {depth: [\n")
+    with pytest.raises(ConfigError, match="not valid YAML"):
+        load_config(str(bad))
+    extra = tmp_path / "extra.yaml"
+    extra.write_text("drafter: {detph: 2}\n")
+    with pytest.raises(ConfigError, match="drafter.detph.*valid keys"):
+        load_config(str(extra))
+
+
+def test_paper_profile_fails_fast_without_cuda():
+    import torch
+
+    cfg = load_config("paper")
+    assert cfg.target.source == "Qwen/Qwen3-8B" and cfg.data.scales == {"small": 70000, "large": 280000}
+    if torch.cuda.is_available():
+        pytest.skip("this machine has a GPU")
+    with pytest.raises(ConfigError, match="needs a CUDA GPU"):
+        check_hardware(cfg)
+
+
+def test_flatten_lists_every_leaf():
+    flat = flatten(load_config("smoke"))
+    assert flat["drafter.variant"] == "kv_only" and "train.lr" in flat and "data.scales.small" in flat
