@@ -1,0 +1,104 @@
+"""Building blocks every drafter shares: RMSNorm, SwiGLU MLP, and attention over blocks of keys.
+
+`attend` is the one attention routine of the project's drafters. A query set attends over a list of key
+blocks with one joint softmax:
+
+- a *dense* block holds S keys that every query may see, subject to a bool mask `[B, 1|H, n, S]`
+  (True = attend); the TTT unroll uses one dense block for the T x T causal prefix, decoding uses dense
+  blocks for the cached prefix and the drafter's own entries;
+- a *diag* block holds exactly one key per query (`[B, H, n, hd]`): query i sees only key i. The TTT unroll
+  uses diag blocks for the chain of the drafter's own draft tokens at the same position, so it never builds a
+  (K*T) x (K*T) mask or score matrix: the diagonal keys cost O(T) dot products.
+
+The blocks are merged with a shared running max (the log-sum-exp merge), which is exactly the softmax over the
+concatenated keys. Scores and the softmax run in fp32 even under bf16 autocast.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+NEG = torch.finfo(torch.float32).min
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float = 1e-6):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        dtype = x.dtype
+        x = x.float()
+        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * x.to(dtype)
+
+
+class MLP(nn.Module):
+    """SwiGLU feed-forward, Llama layout (gate_proj, up_proj, down_proj)."""
+
+    def __init__(self, dim: int, hidden: int):
+        super().__init__()
+        self.gate_proj = nn.Linear(dim, hidden, bias=False)
+        self.up_proj = nn.Linear(dim, hidden, bias=False)
+        self.down_proj = nn.Linear(hidden, dim, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+@dataclass
+class KeyBlock:
+    """Keys/values one query set attends to. Heads already expanded to the query heads.
+
+    dense: k, v `[B, H, S, hd]`, mask `[B, 1|H, n, S]` bool or None (all visible).
+    diag:  k, v `[B, H, n, hd]`, one key per query.
+    """
+
+    k: torch.Tensor
+    v: torch.Tensor
+    mask: torch.Tensor | None = None
+    diag: bool = False
+
+
+def head_map(num_heads: int, num_kv_heads: int, device=None) -> torch.Tensor:
+    """Which KV head each query head reads: floor(h * Hkv / H) (HF's GQA grouping when H % Hkv == 0)."""
+    return (torch.arange(num_heads, device=device) * num_kv_heads) // num_heads
+
+
+def expand_heads(x: torch.Tensor, hmap: torch.Tensor) -> torch.Tensor:
+    """[B, Hkv, S, hd] -> [B, H, S, hd] following `hmap` (a no-op when Hkv == H and the map is the identity)."""
+    if x.shape[1] == hmap.numel() and bool((hmap == torch.arange(hmap.numel(), device=hmap.device)).all()):
+        return x
+    return x.index_select(1, hmap.to(x.device))
+
+
+def attend(q: torch.Tensor, blocks: list[KeyBlock], scale: float | None = None) -> torch.Tensor:
+    """Joint-softmax attention of q `[B, H, n, hd]` over the union of `blocks`; returns `[B, H, n, hd]`."""
+    if not blocks:
+        raise ValueError("attend: no key blocks given")
+    scale = q.shape[-1] ** -0.5 if scale is None else scale
+    scores = []
+    for b in blocks:
+        if b.diag:
+            s = (q.float() * b.k.float()).sum(-1, keepdim=True)
+        else:
+            s = (q @ b.k.transpose(-1, -2)).float()
+        s = s * scale
+        if b.mask is not None:
+            s = s.masked_fill(~b.mask, NEG)
+        scores.append(s)
+    # the max is only for stability: any per-row constant gives the same softmax, so no gradient through it
+    m = torch.stack([s.amax(-1) for s in scores], -1).amax(-1, keepdim=True).detach()
+    num = None
+    den = None
+    for s, b in zip(scores, blocks):
+        e = torch.exp(s - m)
+        part = e * b.v.float() if b.diag else (e.to(b.v.dtype) @ b.v).float()
+        tot = e.sum(-1, keepdim=True)
+        num = part if num is None else num + part
+        den = tot if den is None else den + tot
+    return (num / den).to(q.dtype)

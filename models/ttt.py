@@ -1,0 +1,170 @@
+"""Autoregressive test-time training (TTT): the K-step unroll over all positions in parallel (DESIGN §6).
+
+One implementation for every drafter variant. Step k runs the drafter once over all T positions:
+- input token at position t is token t+1+k (teacher-forced), RoPE position `pos(t) + 1 + k`;
+- hidden input (eagle3 family) is fc(features) at step 0 and the drafter's own output hidden of step k-1 after;
+- keys: the self branch sees the step-0 keys of positions <= t (one T x T causal block, shared by all steps)
+  plus its own keys of steps 1..k at the same position t; the cross branch sees the injected target KV of
+  positions <= t (T x T causal) plus its own cross keys of steps 0..k at t. The same-position keys are diag
+  blocks of `models.layers.attend` (O(T) dot products each), merged with the causal block in one softmax, so
+  no (K*T) x (K*T) mask or score matrix is ever built;
+- target: the target's next-token distribution for token t+2+k, i.e. its logits at position t+1+k,
+  restricted to the draft vocabulary and renormalised;
+- scored where token t+2+k exists, is a loss-masked (assistant) token and not padding, and the target's
+  argmax at t+1+k lies inside the draft vocabulary. loss_k = mean soft cross-entropy over those positions,
+  total = Σ_k decay^k loss_k; acc/α counts (`models.metrics`) over the same positions.
+
+Inputs are plain tensors so the train stage can feed the offline cache or an online target.
+"""
+from __future__ import annotations
+
+from collections import defaultdict
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from models.drafter import Drafter
+from models.layers import KeyBlock, expand_heads
+from models.metrics import StepCounts, step_counts
+
+
+@dataclass
+class TTTOutput:
+    loss: torch.Tensor                     # scalar, Σ_k decay^k loss_k (differentiable)
+    losses: list[float]                    # loss_k
+    counts: StepCounts                     # acc_k / α_k numerators and denominators
+    gate_means: dict[int, float]           # hybrid: mean gate per layer over steps and positions
+    logits: list[torch.Tensor] | None = None   # per step [B, T, V_draft] when return_logits
+
+    @property
+    def acc(self) -> list[float]:
+        return self.counts.acc
+
+    @property
+    def alpha(self) -> list[float]:
+        return self.counts.alpha
+
+
+class _TTTContext:
+    """Key blocks for the parallel unroll: a causal T x T block plus per-position diag blocks."""
+
+    def __init__(self, drafter: Drafter, causal: torch.Tensor, target_kv, position_ids: torch.Tensor):
+        self.drafter, self.causal = drafter, causal
+        self.target_kv, self.position_ids = target_kv, position_ids
+        self.k = 0
+        self.dense0: dict = {}
+        self.diag: dict = defaultdict(list)
+        self.prefix: dict = {}
+        self.gates: dict = defaultdict(list)
+
+    def self_blocks(self, attn, k, v) -> list[KeyBlock]:
+        K, V = expand_heads(k, attn.hmap), expand_heads(v, attn.hmap)
+        if self.k == 0:
+            self.dense0[attn.layer] = (K, V)
+            return [KeyBlock(K, V, self.causal)]
+        chain = self.diag[(attn.layer, "self")]
+        chain.append((K, V))
+        return [KeyBlock(*self.dense0[attn.layer], self.causal)] + [KeyBlock(a, b, diag=True) for a, b in chain]
+
+    def cross_blocks(self, attn, k, v) -> list[KeyBlock]:
+        if attn.layer not in self.prefix:
+            if self.target_kv is None:
+                raise ValueError(f"ttt_unroll: variant {self.drafter.config.variant!r} needs target_kv")
+            cos, sin = self.drafter.rope_for_target(self.position_ids)
+            pk, pv = attn.inject(self.target_kv, cos, sin)
+            self.prefix[attn.layer] = (expand_heads(pk, attn.hmap), expand_heads(pv, attn.hmap))
+        chain = self.diag[(attn.layer, "cross")]
+        chain.append((expand_heads(k, attn.hmap), expand_heads(v, attn.hmap)))
+        return [KeyBlock(*self.prefix[attn.layer], self.causal)] + [KeyBlock(a, b, diag=True) for a, b in chain]
+
+    def record_gate(self, layer: int, g: torch.Tensor) -> None:
+        self.gates[layer].append(g.detach().float().mean())
+
+
+def _shift(x: torch.Tensor, s: int, fill) -> torch.Tensor:
+    """x[:, s:] padded at the end with `fill` back to length T."""
+    pad = torch.full_like(x[:, :s], fill)
+    return torch.cat([x[:, s:], pad], 1)
+
+
+@torch.no_grad()
+def target_distribution(target_logits: torch.Tensor, drafter: Drafter) -> tuple[torch.Tensor, torch.Tensor]:
+    """Target logits [B, T, V] -> (probabilities over the draft vocabulary [B, T, V_draft] fp32,
+    the draft index of the target's argmax [B, T], -1 where the argmax lies outside the draft vocabulary)."""
+    arg = target_logits.argmax(-1)
+    tgt = drafter.target_to_draft()[arg]
+    if drafter.config.draft_vocab_size < drafter.config.vocab_size:
+        target_logits = target_logits.index_select(-1, drafter.d2t)
+    return torch.softmax(target_logits.float(), -1), tgt
+
+
+def ttt_unroll(drafter: Drafter, input_ids: torch.Tensor, loss_mask: torch.Tensor,
+               attention_mask: torch.Tensor | None = None, features: torch.Tensor | None = None,
+               target_kv: list[tuple[torch.Tensor, torch.Tensor]] | None = None,
+               target_logits: torch.Tensor | None = None, target_hidden: torch.Tensor | None = None,
+               lm_head_weight: torch.Tensor | None = None, position_ids: torch.Tensor | None = None,
+               steps: int = 7, decay: float = 0.8, return_logits: bool = False) -> TTTOutput:
+    """The K-step TTT unroll (see the module docstring).
+
+    input_ids, loss_mask, attention_mask, position_ids: [B, T] (right padding); features: [B, T, 3d] concat
+    of the target features (eagle3 family); target_kv: per kv layer (K, V) [B, Hkv, T, hd] post-RoPE (KV
+    readers); target_logits [B, T, V], or target_hidden [B, T, d] (final norm applied) with lm_head_weight
+    [V, d]. Run it under torch.autocast for bf16 and under no_grad for evaluation.
+    """
+    B, T = input_ids.shape
+    dev = input_ids.device
+    cfg = drafter.config
+    if loss_mask.shape != (B, T):
+        raise ValueError(f"ttt_unroll: loss_mask has shape {tuple(loss_mask.shape)}, expected {(B, T)}")
+    if cfg.uses_features and features is None:
+        raise ValueError(f"ttt_unroll: variant {cfg.variant!r} needs features [B, T, {cfg.n_features}*d]")
+    if target_logits is None:
+        if target_hidden is None or lm_head_weight is None:
+            raise ValueError("ttt_unroll: give target_logits, or target_hidden with lm_head_weight")
+        with torch.no_grad():
+            target_logits = F.linear(target_hidden.to(lm_head_weight.dtype), lm_head_weight)
+    attention_mask = torch.ones(B, T, dtype=torch.bool, device=dev) if attention_mask is None \
+        else attention_mask.to(torch.bool)
+    if position_ids is None:
+        position_ids = torch.arange(T, device=dev).expand(B, T)
+    causal = torch.ones(T, T, dtype=torch.bool, device=dev).tril()[None, None] & attention_mask[:, None, None, :]
+    probs, tgt = target_distribution(target_logits, drafter)
+    Vd = probs.shape[-1]
+    probs = probs.reshape(B * T, Vd)
+    tgt = tgt.reshape(B * T)
+    scored = loss_mask.to(torch.bool) & attention_mask
+
+    ctx = _TTTContext(drafter, causal, target_kv, position_ids)
+    hidden = drafter.fuse(features) if cfg.uses_features else None
+    total = None
+    losses, valids, corrects, all_logits = [], [], [], []
+    for k in range(steps):
+        ctx.k = k
+        ids_k = _shift(input_ids, 1 + k, 0)
+        h = drafter.forward_hidden(ids_k, hidden, position_ids + 1 + k, ctx)
+        # position t at step k is scored against the target's logits at t+1+k (which predict token t+2+k)
+        src = torch.arange(B * T, device=dev).view(B, T) + 1 + k
+        valid = _shift(scored, 2 + k, False) & (_shift(tgt.view(B, T), 1 + k, -1) >= 0)
+        idx = valid.reshape(-1).nonzero().squeeze(1)
+        rows = src.reshape(-1)[idx]
+        if return_logits:
+            z_all = drafter.head(h)
+            all_logits.append(z_all)
+            z = z_all.reshape(B * T, -1)[idx]
+        else:
+            z = drafter.head(h.reshape(B * T, -1)[idx])
+        n = idx.numel()
+        loss_k = F.cross_entropy(z.float(), probs[rows], reduction="sum") / max(n, 1)
+        correct = torch.zeros(B * T, dtype=torch.bool, device=dev)
+        correct[idx] = z.detach().argmax(-1) == tgt[rows]
+        valids.append(valid.reshape(-1))
+        corrects.append(correct)
+        losses.append(float(loss_k.detach()))
+        total = loss_k * decay ** k if total is None else total + loss_k * decay ** k
+        hidden = h
+    counts = step_counts(torch.stack(corrects), torch.stack(valids))
+    gates = {i: float(torch.stack(g).mean()) for i, g in ctx.gates.items()}
+    drafter.last_gates = gates
+    return TTTOutput(loss=total, losses=losses, counts=counts, gate_means=gates,
+                     logits=all_logits if return_logits else None)
