@@ -2,7 +2,7 @@
 
 Source of truth: the metrics JSON files that DVC tracks (`metrics/stepwise/<study>.json`, `metrics/e2e.json`),
 not MLflow. The report is then a pure function of versioned files plus the provenance the pipeline hands in:
-no tracking server is needed, and the same inputs give the same README (apart from the date line) and the same
+no tracking server is needed, and the same inputs give the same README (apart from its date line) and the same
 PNG bytes. MLflow holds the same numbers for browsing.
 
 What it writes (DESIGN §8, §10):
@@ -14,6 +14,15 @@ What it writes (DESIGN §8, §10):
 Seeds: trials that differ only in `seed` are one setting; its cells read mean ± sample std (n seeds). A
 difference smaller than `noise_sigmas` times the spread of the difference is called "within noise"; with one
 seed per setting the spread is unknown and the verdict goes by the sign alone, saying so.
+
+How each claim is decided (the weakest sub-verdict wins; a claim without its data is "not measured"):
+- P1: retention of the deepest KV-only drafter > EAGLE-3's (depth study, else injection study).
+- P2: step-wise MAT of the deepest KV-only > depth 1, and no later depth step beats the 1 -> 2 jump.
+- P3: EAGLE-3's alpha_0 > the best KV-only alpha_0 (depth study, else injection study).
+- H: MAT of the checkpoint-initialised hybrid (else the best hybrid) > EAGLE-3's, hybrid study.
+- E: at the largest data scale decoded for both, the hybrid's relative tau gain over EAGLE-3 (paper tree, else
+  the tuned one) < `much_smaller_ratio` x its relative step-wise MAT gain (scale study at that scale, else the
+  hybrid study); without a clear step-wise gain there is nothing to shrink and the claim does not hold.
 """
 from __future__ import annotations
 
@@ -690,6 +699,10 @@ def _ctx(context: dict, key: str) -> str:
     return str(v)
 
 
+def _stage_times(times: dict) -> str:
+    return ", ".join(f"{k} {v:.0f} s" if isinstance(v, (int, float)) else f"{k} {v}" for k, v in sorted(times.items()))
+
+
 def _sha(path: Path) -> str:
     return hashlib.sha256(path.read_bytes()).hexdigest()[:12]
 
@@ -775,7 +788,6 @@ def run(params: ReportParams, context: dict, paths: Paths, report: Report) -> No
         return f"figures/{name}"
 
     md = [f"# {params.title}", "",
-          f"Generated: {_ctx(context, 'date')}", "",
           "Step-wise and end-to-end results of the KVShot drafter grid, read from the DVC-tracked metrics files "
           "listed under Provenance. Cells are mean ± sample std over seeds (n in the `seeds` column; no ± means "
           f"one seed). Columns marked **{PAPER_LABEL}** are the paper's own numbers for the same setting "
@@ -846,6 +858,8 @@ def run(params: ReportParams, context: dict, paths: Paths, report: Report) -> No
                      ["data sizes", _ctx(context, "data_sizes")], ["git commit", _ctx(context, "git_commit")],
                      ["date", _ctx(context, "date")], ["hardware", _ctx(context, "hardware")],
                      ["total wall time", _ctx(context, "wall_time_s")],
+                     *([["stage wall times", _stage_times(context["stage_times_s"])]]
+                       if isinstance(context.get("stage_times_s"), dict) and context["stage_times_s"] else []),
                      ["studies configured", ", ".join(configured) or "unknown"],
                      *[[f"input `{p}`", f"sha256 {h}"] for p, h in inputs],
                      ["paper numbers", " ".join(str(papers.get("source", "")).split())]]), ""]

@@ -14,7 +14,7 @@ FIXTURES = Path(__file__).parent / "fixtures" / "report" / "metrics"
 STUDIES = ["injection", "depth", "hybrid", "scale"]
 CONTEXT = {"profile": "default", "target": "embedded", "data_sizes": {"small": 300, "large": 1200},
            "git_commit": "0123abc", "date": "2026-05-01T10:00:00", "hardware": "2 CPU cores",
-           "wall_time_s": 754.0, "studies": STUDIES}
+           "wall_time_s": 754.0, "stage_times_s": {"train": 700.0, "prepare": 54.0}, "studies": STUDIES}
 PNG = b"\x89PNG\r\n\x1a\n"
 
 
@@ -128,7 +128,8 @@ def test_failed_missing_and_provenance(full):
                                                                              "RuntimeError: CUDA out of memory"]
     assert "**missing**: no `metrics/stepwise/control.json`" in section(text, "Study: control")
     prov = section(text, "Provenance")
-    for cell in ("0123abc", "2 CPU cores", "754 s (12.6 min)", "small: 300, large: 1200", "arXiv 2604.26412"):
+    for cell in ("0123abc", "2 CPU cores", "754 s (12.6 min)", "prepare 54 s, train 700 s", "small: 300, large: 1200",
+                 "arXiv 2604.26412"):
         assert cell in prov
     assert re.search(r"input `metrics/e2e.json` \| sha256 [0-9a-f]{12}", prov)
     assert seen == [{"report/settings": 19.0, "report/failed_trials": 1.0, "report/claims_holding": 5.0}]
@@ -225,14 +226,15 @@ def test_one_seed_falls_back_to_injection_and_says_spread_unknown(tmp_path):
 
 
 def test_deterministic_apart_from_the_date(tmp_path):
-    outs = []
+    texts, figs = [], []
     for i, date in enumerate(("2026-05-01", "2026-06-02")):
         paths = project(tmp_path / str(i))
         run(ReportParams(), {**CONTEXT, "date": date}, paths, lambda m, step=None: None)
-        text = (paths.reports / "README.md").read_text()
-        figs = {p.name: p.read_bytes() for p in sorted((paths.reports / "figures").iterdir())}
-        outs.append((text.replace(date, "DATE"), figs))
-    assert outs[0] == outs[1]
+        texts.append((paths.reports / "README.md").read_text().splitlines())
+        figs.append({p.name: p.read_bytes() for p in sorted((paths.reports / "figures").iterdir())})
+    assert figs[0] == figs[1]
+    assert len(texts[0]) == len(texts[1])
+    assert [(a, b) for a, b in zip(*texts) if a != b] == [("| date | 2026-05-01 |", "| date | 2026-06-02 |")]
 
 
 def test_rows_with_only_the_required_keys(tmp_path):
