@@ -1,0 +1,643 @@
+"""Sweeps: plan a grid of trials, run them on Ray Tune, track them in MLflow, skip what is already done.
+
+    trials = plan(cfg, parse_overrides(["depth=1,2,3,4"]))      # ad hoc grid -> study "adhoc"
+    trials = plan(cfg, study="depth")                            # a study of the profile (grid + include + seeds)
+    show_plan(trials)                                            # --dry-run
+    result = run_sweep(trials, Paths(root))                      # result.exit_code for the CLI
+
+Planning is pure (no Ray, no files). Running: every trial gets a fingerprint (pipeline.fingerprint); a trial
+whose runs/<study>/<trial>/ holds the same fingerprint and a result.json is skipped and its row reused, so a
+re-run does nothing, a grid grown by a value runs only the new trials, and a killed sweep resumes. The rest run
+on Ray Tune in waves (eagle3 parents before the hybrid/cross_only children that load their checkpoint), at most
+`ray.max_concurrent` at a time with `ray.cpus_per_trial` / `ray.gpus_per_trial` each. Trials report metrics to
+the driver through Tune results and only the driver writes MLflow. A failing trial fails alone: it is marked
+failed in MLflow and in metrics/stepwise/<study>.json, the others finish, and the result's exit code is 1.
+
+Ray: RAY_ADDRESS (or ray.address) joins an existing cluster, else a local Ray starts in-process with
+ray.num_cpus CPUs, temp files under scratch/ray, token auth disabled and usage stats off. Workers import the
+`pipeline`, `stages` and `models` packages: on a remote cluster install kvshot on every node (`pip install -e .`
+of the same checkout), or start the driver under `ray job submit --runtime-env-json
+'{"working_dir": ".", "py_modules": ["pipeline", "stages", "models"]}'`. Trials write to absolute paths under
+the project root, which must be storage shared by all nodes (the paper profile's setting).
+"""
+from __future__ import annotations
+
+import hashlib
+import itertools
+import json
+import logging
+import os
+import re
+import tempfile
+import time
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable, Iterator
+
+from rich.console import Console
+from rich.table import Table
+
+from pipeline.config import Config, ConfigError, resolve_key, with_values
+from pipeline.fingerprint import HashCache, data_hashes, fingerprint
+from pipeline.trial import (Trial, TrialFn, base_row, cached_result, evaluate_runs, execute, failed_row,
+                            needs_parent, prepare_run_dir, run_trial, train_trial)
+from stages.common import Paths, Report, write_json_atomic
+
+ADHOC = "adhoc"
+VARIANT = "drafter.variant"
+SEED = "train.seed"
+# Drafter settings an eagle3 drafter does not use: a ckpt child's parent ignores them.
+_EAGLE3_IGNORES = ("drafter.variant", "drafter.injection", "drafter.rope_fix", "drafter.init")
+
+
+# -- planning ----------------------------------------------------------------------------------------------------
+
+def _token(key: str, value: Any) -> str:
+    """A short readable name part for one varying value."""
+    short = key.rsplit(".", 1)[-1]
+    if short == "depth":
+        text = f"d{value}"
+    elif short == "rope_fix":
+        text = "ropefix" if value else "norope"
+    elif short in ("injection", "init", "scale", "variant"):
+        text = str(value)
+    elif short == "seed":
+        text = f"s{value}"
+    elif isinstance(value, bool):
+        text = short if value else f"no_{short}"
+    else:
+        text = f"{short}{value}"
+    return re.sub(r"[^A-Za-z0-9_.=+-]+", "_", text).strip("_") or "x"
+
+
+def trial_name(variant: str, values: dict[str, Any], naming_keys: list[str]) -> str:
+    """`<variant>-<token>-...` from the values of `naming_keys` (those that vary across the plan), in order."""
+    parts = [variant] + [_token(k, values[k]) for k in naming_keys if k in values and k != VARIANT]
+    return "-".join(parts)
+
+
+def _resolve_axes(axes: dict[str, list[Any]]) -> dict[str, list[Any]]:
+    out = {}
+    for key, values in axes.items():
+        values = list(values) if isinstance(values, (list, tuple)) else [values]
+        if not values:
+            raise ConfigError(f"grid axis {key!r} has no values")
+        out[resolve_key(key)] = values
+    return out
+
+
+def _product(axes: dict[str, list[Any]]) -> list[dict[str, Any]]:
+    keys = list(axes)
+    return [dict(zip(keys, combo)) for combo in itertools.product(*(axes[k] for k in keys))]
+
+
+def _parent_key(cfg: Config) -> str:
+    """What an eagle3 drafter trained for `cfg` would depend on: everything but the drafter settings it ignores."""
+    tree = cfg.model_dump()
+    for k in _EAGLE3_IGNORES:
+        tree["drafter"].pop(k.split(".", 1)[1], None)
+    keep = ("target", "data", "regenerate", "features", "drafter", "train", "eval")
+    return json.dumps({k: tree[k] for k in keep}, sort_keys=True, default=str)
+
+
+def _config_key(cfg: Config) -> str:
+    return json.dumps(cfg.model_dump(), sort_keys=True, default=str)
+
+
+def plan(cfg: Config, axes: dict[str, list[Any]] | None = None, study: str | None = None) -> list[Trial]:
+    """The trials of a sweep, parents first.
+
+    - `study` names a study of the profile (`cfg.studies`): its grid, each `include` entry as a single trial, and
+      its `seeds` (an axis over train.seed when given). `axes` on top add or replace grid axes; an axis with one
+      value applies to every trial.
+    - Otherwise the sweep is ad hoc: the grid is `axes` over `cfg` (variant defaults to the profile's), in a study
+      named `study` or "adhoc".
+    - hybrid/cross_only with init=ckpt depend on the eagle3 trial of the same data, training settings and seed;
+      that trial is added when the plan lacks it.
+    Names are `<variant>-<values that vary>`, unique and stable for the same plan.
+    """
+    axes = _resolve_axes(axes or {})
+    fixed = {k: v[0] for k, v in axes.items() if len(v) == 1}
+    outer = {k: v for k, v in axes.items() if len(v) > 1}
+    base = with_values(cfg, fixed, origin="override") if fixed else cfg
+
+    grid: dict[str, list[Any]] = {}
+    includes: list[dict[str, Any]] = []
+    if study is not None and study in cfg.studies:
+        spec = cfg.studies[study]
+        grid = _resolve_axes(spec.grid)
+        includes = [{resolve_key(k): v for k, v in entry.items()} for entry in spec.include]
+        if "seeds" in spec.model_fields_set or len(spec.seeds) > 1:
+            outer.setdefault(SEED, list(spec.seeds))
+        for k in outer:
+            grid.pop(k, None)
+    elif not outer and not fixed:
+        known = ", ".join(sorted(cfg.studies)) or "none"
+        what = f"unknown study {study!r}" if study else "nothing to sweep"
+        raise ConfigError(f"{what}: give grid axes KEY=V1,V2 or a study of the profile (studies: {known})")
+    name = study or ADHOC
+
+    combos: list[dict[str, Any]] = []
+    for o in _product(outer):
+        combos += [{**g, **o} for g in _product(grid)] if grid or not includes else []
+        combos += [{**o, **{k: v for k, v in inc.items()}} for inc in includes]
+    if not combos:
+        combos = [{}]
+
+    # Resolve, dropping exact duplicates (an include that repeats a grid point).
+    resolved: list[tuple[dict[str, Any], Config]] = []
+    seen: set[str] = set()
+    for values in combos:
+        desc = ", ".join(f"{k}={v}" for k, v in values.items()) or "base"
+        trial_cfg = with_values(base, values, origin=f"study {name}: {desc}")
+        key = _config_key(trial_cfg)
+        if key not in seen:
+            seen.add(key)
+            resolved.append((values, trial_cfg))
+
+    # Parents of ckpt-initialised children, added when missing.
+    parents_by_key = {_parent_key(c): i for i, (v, c) in enumerate(resolved) if c.drafter.variant == "eagle3"}
+    for values, trial_cfg in list(resolved):
+        if needs_parent(trial_cfg) and _parent_key(trial_cfg) not in parents_by_key:
+            pvals = {k: v for k, v in values.items() if k not in _EAGLE3_IGNORES}
+            pvals[VARIANT] = "eagle3"
+            pcfg = with_values(trial_cfg, {VARIANT: "eagle3"}, origin=f"study {name}: eagle3 parent")
+            parents_by_key[_parent_key(pcfg)] = len(resolved)
+            resolved.append((pvals, pcfg))
+
+    naming = _naming_keys([v for v, _ in resolved])
+    names = _unique_names([(trial_name(c.drafter.variant, v, naming), v) for v, c in resolved])
+    trials = [Trial(name=n, study=name, values=v, config=c) for n, (v, c) in zip(names, resolved)]
+    for t in trials:
+        if needs_parent(t.config):
+            t.depends_on = trials[parents_by_key[_parent_key(t.config)]].name
+    # Parents first (stable otherwise).
+    return sorted(trials, key=lambda t: t.depends_on is not None)
+
+
+def _naming_keys(all_values: list[dict[str, Any]]) -> list[str]:
+    """Keys (in first-seen order) whose value differs between trials or is missing from some."""
+    keys: list[str] = []
+    for v in all_values:
+        keys += [k for k in v if k not in keys]
+    varying = []
+    for k in keys:
+        seen = {json.dumps(v.get(k, "<unset>"), sort_keys=True, default=str) for v in all_values}
+        if len(seen) > 1:
+            varying.append(k)
+    return varying
+
+
+def _unique_names(named: list[tuple[str, dict[str, Any]]]) -> list[str]:
+    counts: dict[str, int] = {}
+    for n, _ in named:
+        counts[n] = counts.get(n, 0) + 1
+    out = []
+    for n, v in named:
+        if counts[n] > 1:   # same readable name, different config: disambiguate deterministically
+            n = f"{n}-{hashlib.sha256(json.dumps(v, sort_keys=True, default=str).encode()).hexdigest()[:6]}"
+        out.append(n)
+    return out
+
+
+def waves(trials: list[Trial]) -> list[list[Trial]]:
+    """Trials grouped so that every trial comes after the trial it depends on."""
+    done: set[str] = set()
+    remaining = list(trials)
+    out = []
+    while remaining:
+        wave = [t for t in remaining if t.depends_on is None or t.depends_on in done]
+        if not wave:
+            missing = sorted({t.depends_on for t in remaining})
+            raise ConfigError(f"trials depend on trials not in the plan: {', '.join(missing)}")
+        out.append(wave)
+        done |= {t.name for t in wave}
+        remaining = [t for t in remaining if t.name not in done]
+    return out
+
+
+def varying_keys(trials: list[Trial]) -> list[str]:
+    return _naming_keys([t.values for t in trials])
+
+
+def _short(key: str) -> str:
+    return key.rsplit(".", 1)[-1]
+
+
+def _lookup(cfg: Config, dotted: str) -> Any:
+    node: Any = cfg
+    for part in dotted.split("."):
+        node = node[part] if isinstance(node, dict) else getattr(node, part)
+    return node
+
+
+def show_plan(trials: list[Trial], console: Console | None = None, paths: Paths | None = None) -> Table:
+    """Render the planned trials as a rich table (the varying keys plus key settings); runs nothing.
+
+    With `paths`, a status column says which trials are already done (same fingerprint) and would be skipped.
+    """
+    console = console or Console()
+    keys = varying_keys(trials)
+    study = trials[0].study if trials else ADHOC
+    table = Table(title=f"sweep {study}: {len(trials)} trials", title_justify="left")
+    table.add_column("#", justify="right")
+    table.add_column("trial", style="bold", overflow="fold")
+    table.add_column("variant", overflow="fold")
+    shown = [k for k in keys if k != VARIANT]
+    for k in shown:
+        table.add_column(_short(k), overflow="fold")
+    settings = {"train.scale": "scale", "train.seed": "seed", "train.epochs": "epochs",
+                "drafter.draft_vocab_size": "vocab"}
+    settings = {k: v for k, v in settings.items() if k not in shown}
+    for col in settings.values():
+        table.add_column(col)
+    table.add_column("after", overflow="fold")
+    if paths is not None:
+        fingerprint_trials(trials, paths)
+        table.add_column("status")
+    for i, t in enumerate(trials, 1):
+        flat = {k: _lookup(t.config, k) for k in settings}
+        cells = [str(i), t.name, t.config.drafter.variant]
+        cells += [str(t.values.get(k, "·")) for k in shown]
+        cells += [f"{v:g}" if isinstance(v, float) else str(v) for v in flat.values()]
+        cells.append(t.depends_on or "")
+        if paths is not None:
+            cells.append("done" if cached_result(t, paths) else "to run")
+        table.add_row(*cells)
+    console.print(table)
+    return table
+
+
+def single_trial(cfg: Config, study: str = ADHOC) -> Trial:
+    """The one trial of a resolved config (`kvshot train`), named like a sweep trial of its variant."""
+    values = {"drafter.depth": cfg.drafter.depth}
+    if cfg.drafter.variant == "kv_only":
+        values.update({"drafter.injection": cfg.drafter.injection, "drafter.rope_fix": cfg.drafter.rope_fix})
+    if cfg.drafter.variant in ("hybrid", "cross_only"):
+        values["drafter.init"] = cfg.drafter.init
+    name = trial_name(cfg.drafter.variant, values, list(values))
+    trial = Trial(name=name, study=study, values=values, config=cfg)
+    if needs_parent(cfg):
+        parent = with_values(cfg, {VARIANT: "eagle3"})
+        trial.depends_on = trial_name("eagle3", {"drafter.depth": parent.drafter.depth}, ["drafter.depth"])
+    return trial
+
+
+# -- fingerprints ------------------------------------------------------------------------------------------------
+
+def fingerprint_trials(trials: list[Trial], paths: Paths) -> None:
+    """Set every trial's data hashes and fingerprint (parents first: a child's includes its parent's)."""
+    cache = HashCache(paths.scratch / "hash-cache.json")
+    by_name = {t.name: t for t in trials}
+    for wave in waves(trials):
+        for t in wave:
+            t.data_hashes = data_hashes(t.config, paths, cache)
+            parent = by_name[t.depends_on].fingerprint if t.depends_on else None
+            t.fingerprint = fingerprint(t.config, t.data_hashes, parent)
+    cache.save()
+
+
+# -- Ray ---------------------------------------------------------------------------------------------------------
+
+def ray_temp_dir(paths: Paths) -> Path:
+    """scratch/ray, or a short folder in the system temp dir when that path would overflow Ray's socket names."""
+    tmp = paths.scratch / "ray"
+    if len(str(tmp)) <= 48:
+        return tmp
+    digest = hashlib.sha256(str(paths.root).encode()).hexdigest()[:8]
+    return Path(tempfile.gettempdir()) / f"kvshot-ray-{digest}"
+
+
+@contextmanager
+def ray_session(params: Any, paths: Paths) -> Iterator[None]:
+    """Ray for a sweep: reuse one already initialised in this process, join RAY_ADDRESS / ray.address, or start
+    a local one (shut down again at the end)."""
+    import ray
+
+    if ray.is_initialized():
+        yield
+        return
+    os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
+    address = os.environ.get("RAY_ADDRESS") or params.address
+    if address:
+        ray.init(address=address, logging_level="WARNING", log_to_driver=True)
+    else:
+        os.environ.setdefault("RAY_AUTH_MODE", "disabled")
+        temp = ray_temp_dir(paths)
+        temp.mkdir(parents=True, exist_ok=True)
+        ray.init(num_cpus=params.num_cpus, _temp_dir=str(temp), include_dashboard=False,
+                 logging_level="WARNING", log_to_driver=True)
+    try:
+        yield
+    finally:
+        ray.shutdown()
+
+
+PAYLOAD = "kvshot"   # the one key of every Tune result a trial sends: a JSON message for the driver
+
+
+def _tune_report(kind: str, **body: Any) -> None:
+    from ray import tune
+
+    tune.report({PAYLOAD: json.dumps({"kind": kind, **body}, default=str)})
+
+
+def _worker_report(metrics: dict[str, float], step: int | None = None) -> None:
+    """The `report` callback a stage gets inside a Ray worker: metrics travel to the driver as Tune results."""
+    clean = {}
+    for k, v in metrics.items():
+        try:
+            clean[k] = float(v)
+        except (TypeError, ValueError):
+            continue
+    _tune_report("metrics", metrics=clean, step=step)
+
+
+def _trainable(config: dict, trials: dict[str, Trial], paths: Paths, trial_fn: TrialFn) -> None:
+    """The Tune function trainable: one trial, its row sent back as the last result."""
+    trial = trials[config["trial"]]
+    row = execute(trial, paths, _worker_report, trial_fn)
+    config_json = trial.run_dir(paths) / "config.json"
+    ckpt_config = None
+    if row["status"] == "ok" and config_json.is_file():
+        try:
+            ckpt_config = json.loads(config_json.read_text())
+        except json.JSONDecodeError:
+            ckpt_config = None
+    _tune_report("done", row=row, checkpoint_config=ckpt_config)
+
+
+class _Forward:
+    """Driver-side sink of trial messages: MLflow child runs and the final rows (only the driver writes MLflow)."""
+
+    def __init__(self, tracker: Any, parent_id: str | None, trials: dict[str, Trial], commit: str,
+                 console: Console):
+        self.tracker, self.parent_id, self.trials = tracker, parent_id, trials
+        self.commit, self.console = commit, console
+        self.run_ids: dict[str, str] = {}
+        self.rows: dict[str, dict] = {}
+
+    def start(self, name: str) -> None:
+        from pipeline.config import flatten
+
+        t = self.trials[name]
+        self.console.print(f"[cyan]start[/] {t.study}/{name}")
+        if self.tracker is None or name in self.run_ids:
+            return
+        tags = {"trial": name, "variant": t.variant, "fingerprint": t.fingerprint, "git_commit": self.commit,
+                "depends_on": t.depends_on or "", **{f"data_hash.{k}": v for k, v in t.data_hashes.items()}}
+        params = flatten(t.config)
+        params.update({f"sweep.{k}": v for k, v in t.values.items()})
+        self.run_ids[name] = self.tracker.start_run(name, self.parent_id, params=params, tags=tags)
+
+    def message(self, name: str, msg: dict) -> None:
+        if name not in self.run_ids:
+            self.start(name)
+        run_id = self.run_ids.get(name)
+        if msg["kind"] == "metrics" and run_id:
+            self.tracker.log_metrics(run_id, msg["metrics"], msg.get("step"))
+        elif msg["kind"] == "done":
+            self.finish(name, msg["row"], msg.get("checkpoint_config"))
+
+    def finish(self, name: str, row: dict, checkpoint_config: dict | None = None) -> None:
+        if name in self.rows:
+            return
+        self.rows[name] = row
+        ok = row["status"] == "ok"
+        style = "green" if ok else "red"
+        detail = f"MAT {row['mat']:.3f}" if ok and isinstance(row.get("mat"), (int, float)) else row.get("error", "")
+        self.console.print(f"[{style}]{row['status']}[/] {self.trials[name].study}/{name} {detail}")
+        run_id = self.run_ids.get(name)
+        if run_id is None:
+            return
+        if ok:
+            self.tracker.log_row(run_id, row)
+            if checkpoint_config:
+                self.tracker.log_dict(run_id, checkpoint_config, "config.json")
+        else:
+            self.tracker.log_dict(run_id, {"error": row.get("error"), "traceback": row.get("traceback")},
+                                  "error.json")
+        self.tracker.end_run(run_id, ok=ok, error=None if ok else row.get("error"))
+
+
+# Tune pickles its callbacks with the experiment state; the live sink (an MLflow client) stays in this registry.
+_SINKS: dict[str, _Forward] = {}
+
+
+def _callback(key: str):
+    from ray.tune import Callback
+
+    class Forward(Callback):
+        # The registry is looked up at call time (by module), so pickling this class never captures it.
+        def on_trial_start(self, iteration, trials, trial, **info):
+            from pipeline.sweep import _SINKS
+            _SINKS[key].start(trial.config["trial"])
+
+        def on_trial_result(self, iteration, trials, trial, result, **info):
+            from pipeline.sweep import PAYLOAD, _SINKS
+            if PAYLOAD in result:
+                _SINKS[key].message(trial.config["trial"], json.loads(result[PAYLOAD]))
+
+    return Forward()
+
+
+def _run_wave(wave: list[Trial], paths: Paths, cfg: Config, trial_fn: TrialFn, forward: _Forward,
+              label: str) -> None:
+    """Run one wave of trials on Tune; a trial that died without a final message is recorded as failed."""
+    from ray import tune
+
+    os.environ.setdefault("TUNE_DISABLE_AUTO_CALLBACK_LOGGERS", "1")
+    os.environ.setdefault("RAY_AIR_NEW_OUTPUT", "0")
+    by_name = {t.name: t for t in wave}
+    _SINKS[label] = forward
+    resources = {"cpu": cfg.ray.cpus_per_trial, "gpu": cfg.ray.gpus_per_trial}
+    trainable = tune.with_resources(
+        tune.with_parameters(_trainable, trials=by_name, paths=paths, trial_fn=trial_fn), resources)
+    tuner = tune.Tuner(
+        trainable,
+        param_space={"trial": tune.grid_search([t.name for t in wave])},
+        tune_config=tune.TuneConfig(max_concurrent_trials=cfg.ray.max_concurrent,
+                                    trial_name_creator=lambda tr: tr.config["trial"],
+                                    trial_dirname_creator=lambda tr: tr.config["trial"]),
+        run_config=tune.RunConfig(name=label, storage_path=str(paths.scratch / "tune"), verbose=0,
+                                  callbacks=[_callback(label)],
+                                  failure_config=tune.FailureConfig(max_failures=0)),
+    )
+    # Tune looks for per-trial result files we do not write (results go to MLflow): silence its warning.
+    logging.getLogger("ray.tune.analysis.experiment_analysis").setLevel(logging.ERROR)
+    try:
+        grid = tuner.fit()
+    finally:
+        _SINKS.pop(label, None)
+    for res in grid:
+        name = res.config.get("trial") if res.config else None
+        if name in by_name and name not in forward.rows:
+            err = res.error
+            text = str(err).strip().splitlines()[-1] if err else "trial ended without a result"
+            forward.finish(name, failed_row(by_name[name], f"{type(err).__name__ if err else 'Error'}: {text}"))
+    for name, t in by_name.items():   # a trial Tune never started (should not happen) is not silently lost
+        if name not in forward.rows:
+            forward.finish(name, failed_row(t, "trial did not run"))
+
+
+# -- the sweep ---------------------------------------------------------------------------------------------------
+
+@dataclass
+class SweepResult:
+    """What a sweep did: one row per planned trial (plan order), and which trials ran, were skipped, failed."""
+
+    study: str
+    rows: list[dict]
+    ran: list[str] = field(default_factory=list)
+    skipped: list[str] = field(default_factory=list)
+    failed_names: list[str] = field(default_factory=list)
+    metrics_path: Path | None = None
+    parent_run_id: str | None = None
+
+    @property
+    def failed(self) -> int:
+        return len(self.failed_names)
+
+    @property
+    def exit_code(self) -> int:
+        return 1 if self.failed_names else 0
+
+
+def run_sweep(trials: list[Trial], paths: Paths, trial_fn: TrialFn = run_trial, console: Console | None = None,
+              track: bool = True) -> SweepResult:
+    """Run the planned trials (see module doc) and write metrics/stepwise/<study>.json; never raises for a
+    failing trial (see SweepResult.exit_code). `trial_fn(trial, paths, report) -> row` runs inside a worker."""
+    from pipeline.tracking import Tracker, git_commit
+
+    if not trials:
+        raise ConfigError("the sweep has no trials")
+    console = console or Console()
+    study = trials[0].study
+    cfg: Config = trials[0].config
+    paths = Paths(root=Path(paths.root).resolve(), cache=getattr(paths, "cache", None))
+    start = time.perf_counter()
+    fingerprint_trials(trials, paths)
+    by_name = {t.name: t for t in trials}
+
+    rows: dict[str, dict] = {}
+    for t in trials:
+        row = cached_result(t, paths)
+        if row is not None:
+            rows[t.name] = {**row, "cached": True}
+    skipped = [t.name for t in trials if t.name in rows]
+    todo = [t for t in trials if t.name not in rows]
+    console.print(f"sweep [bold]{study}[/]: {len(trials)} trials, {len(skipped)} already done, {len(todo)} to run")
+
+    tracker = Tracker(cfg.tracking, paths.root, study) if track else None
+    commit = git_commit(paths.root)
+    parent_id = None
+    if tracker:
+        parent_id = tracker.start_run(
+            f"sweep-{study}-{time.strftime('%Y%m%d-%H%M%S')}",
+            params={"sweep.study": study, "sweep.trials": len(trials), "sweep.keys": ",".join(varying_keys(trials))},
+            tags={"sweep": "parent", "git_commit": commit, "skipped": ",".join(skipped)})
+    forward = _Forward(tracker, parent_id, by_name, commit, console)
+
+    try:
+        if todo:
+            with ray_session(cfg.ray, paths):
+                for i, wave in enumerate(waves(todo)):
+                    runnable = []
+                    for t in wave:
+                        parent_row = (rows.get(t.depends_on) or forward.rows.get(t.depends_on)) if t.depends_on else None
+                        if t.depends_on and (parent_row is None or parent_row.get("status") != "ok"):
+                            forward.finish(t.name, failed_row(t, f"depends on {t.depends_on}, which failed"))
+                        else:
+                            runnable.append(t)
+                    if runnable:
+                        label = f"{study}-{time.strftime('%Y%m%d-%H%M%S')}-w{i}"
+                        _run_wave(runnable, paths, cfg, trial_fn, forward, label)
+        rows.update(forward.rows)
+    finally:
+        ordered = [rows.get(t.name) or failed_row(t, "sweep interrupted") for t in trials]
+        failed = [r["trial"] for r in ordered if r.get("status") != "ok"]
+        result = SweepResult(study=study, rows=ordered, ran=[t.name for t in todo if t.name in forward.rows],
+                             skipped=skipped, failed_names=failed, metrics_path=paths.stepwise_metrics(study),
+                             parent_run_id=parent_id)
+        write_json_atomic(result.metrics_path, [_public(r) for r in ordered])
+        if tracker and parent_id:
+            tracker.log_metrics(parent_id, {"trials_ran": len(result.ran), "trials_skipped": len(skipped),
+                                            "trials_failed": len(failed),
+                                            "wall_s": time.perf_counter() - start})
+            tracker.end_run(parent_id, ok=not failed, error=f"{len(failed)} failed: {', '.join(failed)}"
+                            if failed else None)
+    show_summary(result, trials, console)
+    return result
+
+
+def _public(row: dict) -> dict:
+    """A row as written to metrics/stepwise/<study>.json (the traceback stays in MLflow)."""
+    return {k: v for k, v in row.items() if k != "traceback"}
+
+
+def _fmt(v: Any) -> str:
+    return f"{v:.3f}" if isinstance(v, (int, float)) and not isinstance(v, bool) else "–"
+
+
+def show_summary(result: SweepResult, trials: list[Trial], console: Console | None = None) -> Table:
+    """The end-of-sweep table: the values that vary, α_0, α_6, MAT, retention, status, wall time."""
+    console = console or Console()
+    keys = [k for k in varying_keys(trials) if k != VARIANT]
+    table = Table(title=f"sweep {result.study}: {len(result.ran)} ran, {len(result.skipped)} reused, "
+                        f"{result.failed} failed", title_justify="left")
+    table.add_column("trial", style="bold", overflow="fold")
+    table.add_column("variant", overflow="fold")
+    for k in keys:
+        table.add_column(_short(k), overflow="fold")
+    for col in ("α_0", "α_6", "MAT", "retention", "status", "wall s"):
+        table.add_column(col, justify="left" if col == "status" else "right")
+    by_name = {t.name: t for t in trials}
+    errors = []
+    for row in result.rows:
+        t = by_name[row["trial"]]
+        alpha = row.get("alpha") or []
+        status = row.get("status", "?")
+        if status == "ok" and row.get("cached"):
+            status = "reused"
+        elif status != "ok":
+            errors.append(f"[red]{t.name}[/]: {row.get('error', '')}")
+            status = f"[red]{status}[/]"
+        table.add_row(t.name, t.variant, *[str(t.values.get(k, "·")) for k in keys],
+                      _fmt(alpha[0] if alpha else None), _fmt(alpha[6] if len(alpha) > 6 else None),
+                      _fmt(row.get("mat")), _fmt(row.get("retention")), status,
+                      f"{row['wall_s']:.1f}" if isinstance(row.get("wall_s"), (int, float)) else "–")
+    console.print(table)
+    for line in errors:
+        console.print(line, highlight=False)
+    return table
+
+
+# -- one stage alone (kvshot train / kvshot evaluate) ------------------------------------------------------------
+
+def train_one(trial: Trial, paths: Paths, report: Report) -> Path:
+    """Train one trial in this process (no Ray): its run directory gets the fingerprint, then the checkpoint."""
+    parent = None
+    if trial.depends_on:
+        parent_fp = paths.run_dir(trial.study, trial.depends_on) / "fingerprint"
+        if not parent_fp.is_file():
+            raise ConfigError(f"{trial.name} (init=ckpt) needs the trained eagle3 drafter runs/{trial.study}/"
+                              f"{trial.depends_on}; train it first or use drafter.init=random")
+        parent = parent_fp.read_text().strip()
+    trial.data_hashes = data_hashes(trial.config, paths)
+    trial.fingerprint = fingerprint(trial.config, trial.data_hashes, parent)
+    prepare_run_dir(trial, paths)
+    return train_trial(trial, paths, report)
+
+
+def evaluate_study(cfg: Config, study: str, paths: Paths, report: Report) -> list[dict]:
+    """Evaluate every trained drafter of runs/<study>/ in this process -> metrics/stepwise/<study>.json."""
+    base = paths.root / "runs" / study
+    run_dirs = sorted(p for p in base.glob("*") if (p / "model.safetensors").is_file()) if base.is_dir() else []
+    if not run_dirs:
+        raise ConfigError(f"study {study!r}: no trained drafters under runs/{study}/ (run `kvshot train` or "
+                          f"`kvshot sweep --study {study}` first)")
+    rows = evaluate_runs(cfg, run_dirs, paths, report)
+    out = [{**r, "study": study, "status": r.get("status", "ok")} for r in rows]
+    write_json_atomic(paths.stepwise_metrics(study), out)
+    return out
