@@ -145,9 +145,20 @@ def _row_error(row: dict) -> str | None:
     if row.get("status", "ok") != "ok":
         return str(row.get("error") or f"status {row.get('status')}")
     alpha = row.get("alpha")
-    if not isinstance(alpha, list) or not alpha or not all(isinstance(a, (int, float)) for a in alpha):
+    if not isinstance(alpha, list) or not alpha or not all(a is None or isinstance(a, (int, float)) for a in alpha):
         return "no alpha list in the metrics row"
     return None
+
+
+def _extra(row: dict) -> dict[str, Any]:
+    """Swept values beyond the standard setting keys (an ad-hoc `kvshot sweep lr=...`): they split settings too."""
+    values = row.get("values") if isinstance(row.get("values"), dict) else {}
+    return {k: v for k, v in sorted(values.items()) if k.split(".")[-1] not in (*SETTING_KEYS, "seed")}
+
+
+def _num(a: Any) -> float:
+    """An alpha entry as a float; a step without valid positions (None/NaN) accepts nothing."""
+    return float(a) if isinstance(a, (int, float)) and math.isfinite(a) else 0.0
 
 
 @dataclass
@@ -161,6 +172,7 @@ class Setting:
     mat: Stat | None
     retention: Stat | None
     failed: list[dict] = field(default_factory=list)
+    extra: dict[str, Any] = field(default_factory=dict)
 
     @property
     def n(self) -> int:
@@ -179,23 +191,23 @@ def aggregate(study: str, rows: list[dict]) -> list[Setting]:
     """Group trial rows by setting (everything but seed/trial) and average the ok ones over seeds."""
     groups: dict[tuple, list[dict]] = {}
     for row in rows:
-        groups.setdefault(_setting(row), []).append(row)
+        groups.setdefault((_setting(row), json.dumps(_extra(row), default=str)), []).append(row)
     out = []
-    for key, group in groups.items():
+    for (key, extra), group in groups.items():
         ok = [r for r in group if _row_error(r) is None]
         failed = [{**r, "error": _row_error(r)} for r in group if _row_error(r) is not None]
         k_max = max((len(r["alpha"]) for r in ok), default=0)
         alpha = [Stat.of(r["alpha"][k] for r in ok if k < len(r["alpha"])) for k in range(k_max)]
-        mats = [r.get("mat") if r.get("mat") is not None else mat_of(r["alpha"]) for r in ok]
+        mats = [r.get("mat") if r.get("mat") is not None else mat_of([_num(a) for a in r["alpha"]]) for r in ok]
         rets = [r.get("retention") if r.get("retention") is not None else _retention(r["alpha"]) for r in ok]
         out.append(Setting(study, dict(zip(SETTING_KEYS, key)), sorted(str(r.get("trial")) for r in group),
-                           alpha, Stat.of(mats), Stat.of(rets), failed))
+                           alpha, Stat.of(mats), Stat.of(rets), failed, json.loads(extra)))
     return out
 
 
-def _retention(alpha: list[float]) -> float | None:
-    last = alpha[6] if len(alpha) > 6 else alpha[-1]
-    return last / alpha[0] if alpha[0] else None
+def _retention(alpha: list[float | None]) -> float | None:
+    first, last = _num(alpha[0]), _num(alpha[6] if len(alpha) > 6 else alpha[-1])
+    return last / first if first else None
 
 
 def sort_settings(settings: list[Setting], scale_order: list[str]) -> list[Setting]:
@@ -203,9 +215,12 @@ def sort_settings(settings: list[Setting], scale_order: list[str]) -> list[Setti
         f = s.fields
         v = f.get("variant")
         scale = f.get("scale")
+        depth = f.get("depth")
         return (VARIANT_ORDER.index(v) if v in VARIANT_ORDER else len(VARIANT_ORDER), str(v),
                 scale_order.index(scale) if scale in scale_order else len(scale_order), str(scale),
-                *((f.get(k) is None, str(f.get(k))) for k in ("depth", "injection", "rope_fix", "init")))
+                depth if isinstance(depth, int) else 10**6, str(depth),
+                *((f.get(k) is None, str(f.get(k))) for k in ("injection", "rope_fix", "init")),
+                json.dumps(s.extra, default=str))
     return sorted(settings, key=key)
 
 
@@ -443,6 +458,7 @@ def _label(s: Setting) -> str:
         parts.append(f"{f['init']} init")
     if f.get("scale") and s.study == "scale":
         parts.append(f"scale {f['scale']}")
+    parts += [f"{k}={v}" for k, v in s.extra.items()]
     return ", ".join(parts)
 
 
@@ -513,6 +529,8 @@ def stepwise_table(study: str, settings: list[Setting], paper: dict | None) -> s
     rows = []
     for s in settings:
         label = [fn(s.fields) if fn else _label(s) for _, fn in cols]
+        if s.extra and cols[0][1]:
+            label[0] += " (" + ", ".join(f"{k}={v}" for k, v in s.extra.items()) + ")"
         if s.n == 0:
             cells = ["failed"] * len(metrics)
         else:

@@ -199,9 +199,9 @@ def _e_no_stepwise_gain(name, rows):
 
 
 @pytest.mark.parametrize("claim,edit,expected", [
-    ("P1", _p1_fails, FAILS), ("P2", _p2_fails, FAILS), ("P2", _p2_depth(-0.02), FAILS), ("P2", _p2_depth(0.0005), NOISE), ("P3", _p3_fails, FAILS),
-    ("P3", _p3_noise, NOISE), ("H", _h_fails, FAILS), ("H", _h_noise, NOISE), ("E", _e_fails, FAILS),
-    ("E", _e_no_stepwise_gain, FAILS)])
+    ("P1", _p1_fails, FAILS), ("P2", _p2_fails, FAILS), ("P2", _p2_depth(-0.02), FAILS),
+    ("P2", _p2_depth(0.0005), NOISE), ("P3", _p3_fails, FAILS), ("P3", _p3_noise, NOISE), ("H", _h_fails, FAILS),
+    ("H", _h_noise, NOISE), ("E", _e_fails, FAILS), ("E", _e_no_stepwise_gain, FAILS)])
 def test_verdict_flips_when_the_numbers_do(tmp_path, claim, edit, expected):
     got = verdicts(project(tmp_path, edit=edit))
     assert got[claim] == expected
@@ -270,3 +270,20 @@ def test_compare_and_stats():
     assert (s.mean, s.std, s.n) == (2.0, 1.0, 3)
     assert Stat.of([None]) is None
     assert mat_of([0.5, 0.5]) == pytest.approx(1.75)
+
+
+def test_extra_swept_values_split_settings_and_null_alphas_count_as_zero(tmp_path):
+    (tmp_path / "metrics" / "stepwise").mkdir(parents=True)
+    rows = [{"trial": f"lr{lr}-s{seed}", "variant": "kv_only", "depth": 1, "seed": seed, "status": "ok",
+             "values": {"drafter.variant": "kv_only", "train.lr": lr, "train.seed": seed},
+             "alpha": [0.5 + lr * 100, 0.4, 0.3, None, 0.2, 0.2, 0.2], "mat": None, "retention": None}
+            for lr in (0.001, 0.002) for seed in (0, 1)]
+    (tmp_path / "metrics" / "stepwise" / "lr.json").write_text(json.dumps(rows))
+    res = collect({"studies": ["lr"]}, Paths(tmp_path))
+    settings = res.studies["lr"]
+    assert [(s.extra, s.n) for s in settings] == [({"train.lr": 0.001}, 2), ({"train.lr": 0.002}, 2)]
+    assert settings[0].mat.mean == pytest.approx(mat_of([0.6, 0.4, 0.3, 0.0, 0.2, 0.2, 0.2]))
+    assert settings[0].a(3) is None and settings[0].retention.mean == pytest.approx(0.2 / 0.6)
+    run(ReportParams(), {"studies": ["lr"]}, Paths(tmp_path), lambda m, step=None: None)
+    text = (tmp_path / "reports" / "README.md").read_text()
+    assert table_row(section(text, "Study: lr"), "KV-only, 1 layer, train.lr=0.002")[1] == "2"
