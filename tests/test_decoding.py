@@ -1,0 +1,265 @@
+"""Tree speculative decoding: tree construction, verification, cache compaction, losslessness, baselines."""
+import math
+
+import pytest
+import torch
+
+from models.decoding import (CallableProposer, DraftTree, OracleProposer, TreeSpec, accept, ancestor_mask,
+                             chain_length, chain_tree, compact_cache, draft_tree, exact_match, first_divergence,
+                             greedy_generate, lm_log_probs, lossless_at_near_tie, prefill, prompt_lookup_generate,
+                             speculative_generate, verify)
+from models.target import tiny_target
+
+V = 11
+
+
+def path_logp(path: tuple[int, ...]) -> torch.Tensor:
+    """A fixed random draft distribution per token path (hand-made drafter)."""
+    g = torch.Generator().manual_seed(hash(path) % (2 ** 31))
+    return torch.log_softmax(torch.randn(V, generator=g) * 2, -1)
+
+
+def naive_eagle2(root: int, spec: TreeSpec) -> dict[tuple[int, ...], float]:
+    """Reference EAGLE-2 expansion over explicit paths: every candidate path -> cumulative log-prob."""
+    k = spec.top_k
+    lp = path_logp((root,))
+    top = lp.topk(k)
+    level = {(root, int(t)): float(s) for t, s in zip(top.indices, top.values)}
+    cands = dict(level)
+    frontier = sorted(level, key=level.get, reverse=True)[:k]
+    for _ in range(spec.depth):
+        new = {}
+        for p in frontier:
+            c = path_logp(p).topk(k)
+            for t, s in zip(c.indices, c.values):
+                new[p + (int(t),)] = cands[p] + float(s)
+        cands.update(new)
+        frontier = sorted(new, key=new.get, reverse=True)[:k]
+    return cands
+
+
+def tree_paths(tree: DraftTree) -> list[tuple[int, ...]]:
+    toks, par = tree.tokens.tolist(), tree.parents.tolist()
+    out = []
+    for i in range(tree.size):
+        p, j = [], i
+        while j >= 0:
+            p.append(toks[j])
+            j = par[j]
+        out.append(tuple(reversed(p)))
+    return out
+
+
+def build(root: int, spec: TreeSpec, d2t=None, t2d=None) -> DraftTree:
+    paths = [(root,)]
+
+    def expand(tokens, src, level):
+        nonlocal paths
+        tokens = t2d(tokens) if t2d else tokens   # the hand-made drafter reads draft indices
+        paths = [paths[s] + (int(t),) for s, t in zip(src.tolist(), tokens.tolist())]
+        return torch.stack([path_logp(p) for p in paths])
+
+    return draft_tree(root, path_logp((root,)), expand, spec, d2t)
+
+
+@pytest.mark.parametrize("spec", [TreeSpec(3, 2, 6), TreeSpec(4, 3, 12), TreeSpec(2, 4, 30), TreeSpec(5, 1, 4),
+                                  TreeSpec(0, 3, 3), TreeSpec(3, 2, 1)])
+def test_draft_tree_matches_reference_expansion(spec):
+    tree = build(3, spec)
+    ref = naive_eagle2(3, spec)
+    best = sorted(ref, key=ref.get, reverse=True)[: spec.total_tokens - 1]
+    assert tree.size <= spec.total_tokens and tree.size == 1 + len(best)
+    assert int(tree.depths.max()) <= spec.depth + 1
+    paths = tree_paths(tree)
+    assert paths[0] == (3,) and set(paths[1:]) == set(best)
+    assert tree.depths.tolist() == [len(p) - 1 for p in paths]
+    assert all(p < i for i, p in enumerate(tree.parents.tolist()) if i)   # parents precede children
+    assert tree.positions(17).tolist() == [17 + d for d in tree.depths.tolist()]
+
+
+def test_ancestor_mask_is_ancestors_and_self():
+    tree = build(5, TreeSpec(4, 3, 16))
+    mask = tree.ancestor_mask()
+    par = tree.parents.tolist()
+    for i in range(tree.size):
+        anc, j = set(), i
+        while j >= 0:
+            anc.add(j)
+            j = par[j]
+        assert set(mask[i].nonzero().flatten().tolist()) == anc
+    assert torch.equal(mask, ancestor_mask(tree.parents, tree.depths))
+
+
+def test_chain_drafting_is_top_k_one():
+    tree = build(2, TreeSpec(5, 1, 20))
+    assert tree.is_chain and tree.size == chain_length(TreeSpec(5, 1, 20)) + 1 == 7
+    assert TreeSpec.chain(4) == TreeSpec(3, 1, 5) and chain_length(TreeSpec.chain(4)) == 4
+
+
+def test_d2t_maps_draft_indices_to_target_ids():
+    d2t = torch.arange(V) * 7 + 100
+    plain, mapped = build(1, TreeSpec(2, 2, 7)), build(1, TreeSpec(2, 2, 7), d2t, lambda t: (t - 100) // 7)
+    assert torch.equal(mapped.tokens[1:], d2t[plain.tokens[1:]]) and torch.equal(mapped.parents, plain.parents)
+
+
+def test_bad_tree_spec_is_a_clear_error():
+    with pytest.raises(ValueError, match="depth, top_k, total_tokens"):
+        TreeSpec.of([8, 10])
+    with pytest.raises(ValueError, match="top_k >= 1"):
+        TreeSpec(3, 0, 5)
+
+
+def test_accept_takes_longest_correct_path_and_bonus():
+    #        0(r)
+    #      /   \
+    #     1:a   2:b
+    #     |      |
+    #     3:c   4:d -- 5:e
+    t = lambda x: torch.tensor(x)  # noqa: E731
+    tree = DraftTree(t([9, 1, 2, 3, 4, 5]), t([-1, 0, 0, 1, 2, 4]), t([0, 1, 1, 2, 2, 3]))
+    # target: after r -> 2 (b), after b -> 4 (d), after d -> 7 (not e): accept r,b,d; bonus 7
+    argmax = t([2, 0, 4, 0, 7, 0])
+    path, bonus = accept(tree, argmax)
+    assert path.tolist() == [0, 2, 4] and bonus == 7
+    path, bonus = accept(tree, t([8, 0, 0, 0, 0, 0]))
+    assert path.tolist() == [0] and bonus == 8
+
+
+def random_prompt(n: int, seed: int, vocab: int = 256) -> torch.Tensor:
+    return torch.randint(0, vocab, (n,), generator=torch.Generator().manual_seed(seed))
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen3"])
+def test_verify_matches_plain_forward_and_compaction_matches_fresh_cache(arch):
+    tgt = tiny_target(arch)
+    prompt = random_prompt(9, 0)
+    cap, _ = prefill(tgt, prompt)
+    cache = cap.cache
+    g = torch.Generator().manual_seed(1)
+    tree = build(int(torch.randint(0, V, (1,), generator=g)), TreeSpec(3, 3, 12))
+    past = cache.get_seq_length()
+    v = verify(tgt, tree, cache)
+    # each node's logits equal a plain causal forward over prompt + its root path
+    for i, p in enumerate(tree_paths(tree)):
+        ids = torch.cat([prompt, torch.tensor(p)])
+        ref = tgt.logits(tgt.capture(ids[None]).last_hidden[0, -1])
+        torch.testing.assert_close(v.logits[i], ref, atol=1e-4, rtol=1e-4)
+    # force a non-prefix acceptance: accept the deepest node's path
+    deepest = int(tree.depths.argmax())
+    path = tree.ancestor_mask()[deepest].nonzero().flatten()
+    assert path.tolist() != list(range(path.numel()))
+    compact_cache(cache, past, path)
+    fresh = tgt.capture(torch.cat([prompt, tree.tokens[path]])[None], keep_cache=True).cache
+    for mine, ref in zip(cache.layers, fresh.layers):
+        torch.testing.assert_close(mine.keys, ref.keys, atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(mine.values, ref.values, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen3"])
+def test_lossless_fp32_every_proposer(arch):
+    tgt = tiny_target(arch)
+    other = tiny_target(arch, seed=7)
+    for seed in range(2):
+        prompt = random_prompt(10, seed)
+        ref = greedy_generate(tgt, prompt, 32)
+        full = prompt.tolist() + ref.tokens
+        runs = {
+            "off": speculative_generate(tgt, prompt, 32),
+            "oracle-chain": speculative_generate(tgt, prompt, 32, OracleProposer(full), TreeSpec.chain(5)),
+            "oracle-branch": speculative_generate(tgt, prompt, 32, OracleProposer(full, True, 256), [3, 2, 12]),
+            "other-tree": speculative_generate(tgt, prompt, 32, CallableProposer(lm_log_probs(other.model)),
+                                               [4, 3, 12]),
+            "other-chain": speculative_generate(tgt, prompt, 32, CallableProposer(lm_log_probs(other.model)),
+                                                [4, 1, 6]),
+        }
+        for name, res in runs.items():
+            assert res.tokens == ref.tokens, (arch, seed, name, first_divergence(ref.tokens, res.tokens))
+        assert runs["off"].tau == 1.0 and runs["off"].rounds == 31
+
+
+def test_oracle_tau_is_the_tree_depth_plus_one():
+    tgt = tiny_target("llama")
+    prompt = random_prompt(8, 3)
+    n = 1 + 6 * 5  # prefill token + 6 full rounds of 5
+    ref = greedy_generate(tgt, prompt, n)
+    full = prompt.tolist() + ref.tokens
+    # chain of 4 drafts: depth 3 gives levels 1..4
+    res = speculative_generate(tgt, prompt, n, OracleProposer(full), TreeSpec(3, 1, 5))
+    assert res.accept_lengths == [5] * 6 and res.tau == 5.0 and res.tokens == ref.tokens
+    # a node budget below the levels caps the chain: total_tokens = depth + 1 gives tau = depth + 1
+    res = speculative_generate(tgt, prompt, n, OracleProposer(full), TreeSpec(6, 1, 7))
+    assert res.accept_lengths == [7, 7, 7, 7, 3] and res.tokens == ref.tokens   # the last round runs out of reference
+    # with a wrong sibling per level the same budget holds 3 levels
+    res = speculative_generate(tgt, prompt, n, OracleProposer(full, True, 256), TreeSpec(6, 2, 7))
+    assert res.accept_lengths[:-1] == [4] * 7 and res.tokens == ref.tokens
+
+
+def test_eos_stops_every_loop_at_the_same_token():
+    tgt = tiny_target("llama")
+    prompt = random_prompt(10, 4)
+    free = greedy_generate(tgt, prompt, 24).tokens
+    eos = free[5]
+    ref = greedy_generate(tgt, prompt, 24, eos_token_id=eos)
+    assert ref.tokens == free[: free.index(eos) + 1]
+    full = prompt.tolist() + free
+    for res in (speculative_generate(tgt, prompt, 24, eos_token_id=eos),
+                speculative_generate(tgt, prompt, 24, OracleProposer(full), [4, 1, 6], eos_token_id=eos),
+                prompt_lookup_generate(tgt, prompt, 24, eos_token_id=eos)):
+        assert res.tokens == ref.tokens
+
+
+def test_prompt_lookup_baseline_reports_tau_and_share():
+    tgt = tiny_target("llama")
+    prompt = torch.tensor([5, 6, 7, 8] * 4)
+    ref = greedy_generate(tgt, prompt, 20)
+    pl = prompt_lookup_generate(tgt, prompt, 20, num_tokens=4)
+    assert pl.tokens == ref.tokens and pl.rounds >= 1
+    assert math.isclose(pl.tau, 19 / pl.rounds) and 0.0 <= pl.draft_share < 1.0
+
+
+def test_checks():
+    assert first_divergence([1, 2, 3], [1, 2, 3]) is None and exact_match([1], [1])
+    assert first_divergence([1, 2, 3], [1, 5, 3]) == 1 and first_divergence([1, 2], [1, 2, 3]) == 2
+    logits = [torch.tensor([0.0, 5.0, 4.9]), torch.tensor([1.0, 0.0, 0.0])]
+    near = lossless_at_near_tie([1, 0], logits, [2, 1], tolerance=0.25)
+    assert near.lossless and not near.exact and near.divergence == 0 and near.gap == pytest.approx(0.1)
+    far = lossless_at_near_tie([1, 0], logits, [1, 2], tolerance=0.25)
+    assert not far.lossless and far.divergence == 1 and far.gap == pytest.approx(1.0)
+    assert lossless_at_near_tie([1, 0], logits, [1, 0], 0.0).exact
+
+
+def _chat_prompt(target, text: str) -> torch.Tensor:
+    return torch.tensor(target.chat_ids([{"role": "user", "content": text}], add_generation_prompt=True))
+
+
+PROMPTS = ["What is the capital of France? Answer in one sentence.", "Write a haiku about the sea."]
+
+
+def test_embedded_fp32_lossless_short():
+    from tests.conftest import ROOT
+    from models.target import load_target
+
+    tgt = load_target("embedded", dtype="float32", cache_dir=ROOT / "scratch" / "models")
+    prompt = _chat_prompt(tgt, PROMPTS[0])
+    eos = tgt.tokenizer.eos_token_id
+    ref = greedy_generate(tgt, prompt, 24, eos_token_id=eos)
+    full = prompt.tolist() + ref.tokens
+    for res in (speculative_generate(tgt, prompt, 24, eos_token_id=eos),
+                speculative_generate(tgt, prompt, 24, OracleProposer(full, True, tgt.vocab_size), [4, 2, 10],
+                                     eos_token_id=eos)):
+        assert res.tokens == ref.tokens
+
+
+def test_embedded_bf16_diverges_only_at_near_ties(embedded_target):
+    tgt = embedded_target
+    eos = tgt.tokenizer.eos_token_id
+    for text in PROMPTS:
+        prompt = _chat_prompt(tgt, text)
+        ref = greedy_generate(tgt, prompt, 40, eos_token_id=eos, keep_logits=True)
+        assert len(ref.logits) == len(ref.tokens)
+        full = prompt.tolist() + ref.tokens
+        for res in (speculative_generate(tgt, prompt, 40, OracleProposer(full), [5, 1, 7], eos_token_id=eos),
+                    speculative_generate(tgt, prompt, 40, OracleProposer(full, True, tgt.vocab_size), [3, 2, 10],
+                                         eos_token_id=eos)):
+            check = lossless_at_near_tie(ref.tokens, ref.logits, res.tokens, tolerance=0.25)
+            assert check.lossless, (text, check)
