@@ -1,0 +1,348 @@
+"""The sweep runner: planning (pure), fingerprints, and real local Ray Tune sweeps with injected quick trials."""
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+import pytest
+from rich.console import Console
+
+from pipeline.config import ConfigError, load_config, parse_overrides, with_values
+from pipeline.fingerprint import HashCache, data_hashes, fingerprint, path_hash
+from pipeline.sweep import fingerprint_trials, plan, run_sweep, show_plan, waves
+from pipeline.trial import cached_result
+from stages.common import Paths
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def smoke():
+    return load_config("smoke")
+
+
+# -- planning ----------------------------------------------------------------------------------------------------
+
+def test_adhoc_grid_names_and_study():
+    trials = plan(smoke(), parse_overrides(["depth=1,2,3,4"]))
+    assert [t.name for t in trials] == ["kv_only-d1", "kv_only-d2", "kv_only-d3", "kv_only-d4"]
+    assert {t.study for t in trials} == {"adhoc"}
+    assert [t.config.drafter.depth for t in trials] == [1, 2, 3, 4]
+    assert all(t.config.drafter.variant == "kv_only" for t in trials)   # the profile's variant
+    assert plan(smoke(), parse_overrides(["depth=1,2"]), study="mine")[0].study == "mine"
+
+
+def test_two_axes_cartesian_and_single_values_apply_to_all():
+    trials = plan(smoke(), parse_overrides(["depth=1,2", "injection=linear,head_concat", "train.lr=0.01"]))
+    assert len(trials) == 4
+    assert [t.name for t in trials] == ["kv_only-d1-linear", "kv_only-d1-head_concat",
+                                        "kv_only-d2-linear", "kv_only-d2-head_concat"]
+    assert all(t.config.train.lr == 0.01 for t in trials)
+    assert len({t.name for t in trials}) == 4
+
+
+def test_study_expansion_grid_plus_include():
+    cfg = load_config("default")
+    depth = plan(cfg, study="depth")
+    assert [t.name for t in depth] == ["kv_only-d1", "kv_only-d2", "kv_only-d3", "kv_only-d4", "eagle3"]
+    inj = plan(cfg, study="injection")
+    assert len(inj) == 5 and "kv_only-head_concat-ropefix" in [t.name for t in inj]
+    assert {t.study for t in inj} == {"injection"}
+    # an axis on top of a study replaces its grid axis
+    assert sorted(t.name for t in plan(cfg, parse_overrides(["depth=2,3"]), study="depth")) == \
+        ["eagle3-d2", "eagle3-d3", "kv_only-d2", "kv_only-d3"]
+
+
+def test_hybrid_ckpt_depends_on_eagle3_of_same_scale():
+    cfg = load_config("default")
+    trials = plan(cfg, study="scale")
+    by = {t.name: t for t in trials}
+    assert by["hybrid-small"].depends_on == "eagle3-small"
+    assert by["hybrid-large"].depends_on == "eagle3-large"
+    first, second = waves(trials)
+    assert {t.name for t in first} == {"eagle3-small", "eagle3-large"}
+    assert {t.name for t in second} == {"hybrid-small", "hybrid-large"}
+
+
+def test_missing_parent_is_added_first_and_shared():
+    trials = plan(smoke(), parse_overrides(["variant=hybrid,cross_only", "init=ckpt"]))
+    names = [t.name for t in trials]
+    assert names[0] == "eagle3" and len(trials) == 3
+    assert {t.depends_on for t in trials[1:]} == {"eagle3"}
+    parent = trials[0].config
+    assert parent.drafter.variant == "eagle3" and parent.train == trials[1].config.train
+    # random init needs no parent
+    assert [t.depends_on for t in plan(smoke(), parse_overrides(["variant=hybrid", "init=random"]))] == [None]
+
+
+def test_seeds_make_one_parent_per_seed():
+    cfg = with_values(smoke(), {"studies": {"h": {"grid": {"drafter.variant": ["hybrid"]}, "seeds": [0, 1]}}})
+    trials = plan(cfg, study="h")
+    by = {t.name: t for t in trials}
+    assert set(by) == {"hybrid-s0", "hybrid-s1", "eagle3-s0", "eagle3-s1"}
+    assert by["hybrid-s1"].depends_on == "eagle3-s1" and by["eagle3-s1"].config.train.seed == 1
+
+
+def test_bad_plans_are_one_line_errors():
+    with pytest.raises(ConfigError, match="nothing to sweep"):
+        plan(smoke())
+    with pytest.raises(ConfigError, match="unknown study 'nope'"):
+        plan(smoke(), study="nope")
+    with pytest.raises(ConfigError, match="unknown key 'dpth'"):
+        plan(smoke(), parse_overrides(["dpth=1,2"]))
+
+
+def test_dry_run_table_lists_resolved_trials(tmp_path):
+    console = Console(record=True, width=200)
+    trials = plan(load_config("default"), study="hybrid")
+    show_plan(trials, console=console, paths=Paths(tmp_path))
+    text = console.export_text()
+    for name in ("eagle3", "hybrid-ckpt", "cross_only-random", "to run", "sweep hybrid: 5 trials"):
+        assert name in text
+    assert not (tmp_path / "runs").exists()   # a dry run runs nothing
+
+
+# -- fingerprints ------------------------------------------------------------------------------------------------
+
+def test_fingerprint_follows_config_and_data_content(tmp_path):
+    paths = Paths(tmp_path)
+    cfg = smoke()
+    h0 = data_hashes(cfg, paths)
+    assert set(h0.values()) == {"missing"}
+    src = paths.regenerated("sharegpt")
+    src.parent.mkdir(parents=True)
+    src.write_text('{"id": 1}\n')
+    h1 = data_hashes(cfg, paths)
+    assert h1["regenerated/sharegpt"].startswith("sha256:")
+    os.utime(src, (1, 1))                        # a touch (clone, checkout) does not change the content hash
+    assert data_hashes(cfg, paths) == h1
+    src.write_text('{"id": 2}\n')
+    assert data_hashes(cfg, paths) != h1
+    feats = paths.features("small")
+    feats.mkdir(parents=True)
+    (feats / "index.json").write_text("{}")
+    assert data_hashes(cfg, paths)["features/small"].startswith("dir-sha256:")
+
+    f = fingerprint(cfg, h1)
+    assert f == fingerprint(smoke(), h1)
+    assert f != fingerprint(with_values(cfg, {"drafter.depth": 2}), h1)
+    assert f != fingerprint(cfg, h1, parent="abc")
+    # sections that do not affect a trial do not change it
+    assert f == fingerprint(with_values(cfg, {"ray.max_concurrent": 7, "e2e.num_prompts": 3}), h1)
+
+
+def test_dvc_lock_md5_is_used_when_recorded(tmp_path):
+    (tmp_path / "data" / "regenerated").mkdir(parents=True)
+    f = tmp_path / "data" / "regenerated" / "sharegpt.jsonl"
+    f.write_text("x\n")
+    (tmp_path / "dvc.lock").write_text(textwrap.dedent("""\
+        schema: '2.0'
+        stages:
+          regenerate:
+            outs:
+            - path: data/regenerated/sharegpt.jsonl
+              md5: 0123abcd
+        """))
+    from pipeline.fingerprint import _dvc_lock_md5s
+    assert path_hash(f, tmp_path, HashCache(None), _dvc_lock_md5s(tmp_path)) == "md5:0123abcd"
+
+
+# -- real Ray sweeps ---------------------------------------------------------------------------------------------
+
+def _register_by_value():
+    """Trial functions defined here are shipped to Ray workers by value (this test module is not importable there)."""
+    import ray.cloudpickle as cp
+    cp.register_pickle_by_value(sys.modules[__name__])
+
+
+@pytest.fixture(scope="module")
+def ray_local():
+    """One local Ray (2 CPUs) shared by this module's sweeps; its GCS address lets a subprocess join it."""
+    import ray
+
+    os.environ["RAY_AUTH_MODE"] = "disabled"
+    os.environ["RAY_USAGE_STATS_ENABLED"] = "0"
+    temp = ROOT / "scratch" / "ray"
+    temp.mkdir(parents=True, exist_ok=True)
+    if ray.is_initialized():
+        ray.shutdown()
+    ray.init(num_cpus=2, _temp_dir=str(temp), include_dashboard=False, logging_level="WARNING")
+    _register_by_value()
+    yield ray.get_runtime_context().gcs_address
+    ray.shutdown()
+
+
+@pytest.fixture
+def project(tmp_path, monkeypatch):
+    monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
+    monkeypatch.delenv("RAY_ADDRESS", raising=False)
+    return Paths(tmp_path)
+
+
+def quick_trial(trial, paths, report):
+    """Reports a training curve, waits until a second trial runs at the same time (bounded), returns a row."""
+    d = trial.config.drafter.depth
+    calls = paths.root / "calls"
+    calls.mkdir(exist_ok=True)
+    (calls / f"{trial.name}.{time.time_ns()}").write_text(str(os.getpid()))
+    running = paths.root / "running"
+    running.mkdir(exist_ok=True)
+    (running / trial.name).write_text("")
+    t0 = time.time()
+    while len(list(running.iterdir())) < 2 and time.time() - t0 < 20:
+        time.sleep(0.05)
+    for step in range(20):                       # many small results: the driver is the only MLflow writer
+        report({"loss": 1.0 / (step + 1), "acc_0": 0.5 + step / 100}, step)
+    if trial.config.drafter.variant in ("hybrid", "cross_only") and trial.depends_on:
+        assert (paths.run_dir(trial.study, trial.depends_on) / "result.json").is_file(), "parent not done"
+    if trial.values.get("train.lr") == 0.0123:
+        raise RuntimeError("planned failure")
+    alpha = [round(0.8 * (1 - 0.05 * d) ** k, 4) for k in range(7)]
+    mat = 1 + sum(__import__("math").prod(alpha[: i + 1]) for i in range(7))
+    return {"alpha": alpha, "acc": alpha, "mat": mat, "retention": alpha[6] / alpha[0],
+            "t0": t0, "t1": time.time()}
+
+
+def _calls(paths):
+    d = paths.root / "calls"
+    return sorted(p.name.rsplit(".", 1)[0] for p in d.iterdir()) if d.is_dir() else []
+
+
+def _mlflow(paths):
+    from mlflow.tracking import MlflowClient
+    return MlflowClient(tracking_uri=f"sqlite:///{paths.root / 'mlflow.db'}")
+
+
+def _runs(paths, study="adhoc"):
+    client = _mlflow(paths)
+    exp = client.get_experiment_by_name(f"kvshot-{study}")
+    runs = client.search_runs([exp.experiment_id], max_results=1000)
+    parents = [r for r in runs if r.data.tags.get("sweep") == "parent"]
+    children = [r for r in runs if "mlflow.parentRunId" in r.data.tags]
+    return client, parents, children
+
+
+def test_sweep_tracks_reruns_nothing_and_grows(ray_local, project):
+    cfg = smoke()
+    trials = plan(cfg, parse_overrides(["depth=1,2,3"]))
+    result = run_sweep(trials, project, trial_fn=quick_trial)
+    assert result.exit_code == 0 and sorted(result.ran) == ["kv_only-d1", "kv_only-d2", "kv_only-d3"]
+
+    # two trials really ran at the same time
+    rows = {r["trial"]: r for r in result.rows}
+    spans = sorted((r["t0"], r["t1"]) for r in rows.values())
+    assert any(a1 > b0 for (a0, a1), (b0, b1) in zip(spans, spans[1:]))
+
+    client, parents, children = _runs(project)
+    assert len(parents) == 1 and len(children) == 3
+    assert {c.data.tags["mlflow.parentRunId"] for c in children} == {parents[0].info.run_id}
+    for child in children:
+        assert child.info.status == "FINISHED"
+        assert child.data.params["drafter.depth"] in {"1", "2", "3"}
+        assert child.data.tags["fingerprint"] == rows[child.info.run_name]["fingerprint"]
+        assert "git_commit" in child.data.tags and "data_hash.regenerated/sharegpt" in child.data.tags
+        alpha = client.get_metric_history(child.info.run_id, "alpha")
+        assert sorted(m.step for m in alpha) == list(range(7))
+        assert [m.value for m in sorted(alpha, key=lambda m: m.step)] == rows[child.info.run_name]["alpha"]
+        assert len(client.get_metric_history(child.info.run_id, "loss")) == 20   # nothing lost to a lock
+        assert child.data.metrics["mat"] == pytest.approx(rows[child.info.run_name]["mat"])
+        assert "alpha.png" in [a.path for a in client.list_artifacts(child.info.run_id)]
+
+    stepwise = json.loads(project.stepwise_metrics("adhoc").read_text())
+    assert [r["trial"] for r in stepwise] == ["kv_only-d1", "kv_only-d2", "kv_only-d3"]
+    for r in stepwise:
+        assert {"trial", "variant", "depth", "injection", "rope_fix", "init", "scale", "alpha", "acc", "mat",
+                "retention"} <= set(r) and r["status"] == "ok"
+        assert (project.run_dir("adhoc", r["trial"]) / "fingerprint").read_text().strip() == r["fingerprint"]
+
+    # a re-run runs nothing and reuses every row
+    again = run_sweep(plan(cfg, parse_overrides(["depth=1,2,3"])), project, trial_fn=quick_trial)
+    assert again.ran == [] and len(again.skipped) == 3 and again.exit_code == 0
+    assert [r["mat"] for r in again.rows] == [rows[n]["mat"] for n in ("kv_only-d1", "kv_only-d2", "kv_only-d3")]
+    assert len(_calls(project)) == 3
+
+    # a grid grown by one value runs only the new trial
+    grown = run_sweep(plan(cfg, parse_overrides(["depth=1,2,3,4"])), project, trial_fn=quick_trial)
+    assert grown.ran == ["kv_only-d4"] and len(grown.skipped) == 3
+    assert _calls(project).count("kv_only-d4") == 1 and len(_calls(project)) == 4
+    _, parents, children = _runs(project)
+    assert len(parents) == 3 and len(children) == 4
+    assert len(json.loads(project.stepwise_metrics("adhoc").read_text())) == 4
+
+    # a changed config keeps the names but not the fingerprints: nothing would be reused
+    changed = plan(with_values(cfg, {"train.lr": 0.002}), parse_overrides(["depth=1,2,3"]))
+    fingerprint_trials(changed, project)
+    assert [t.name for t in changed] == ["kv_only-d1", "kv_only-d2", "kv_only-d3"]
+    assert all(cached_result(t, project) is None for t in changed)
+
+
+def test_failing_trial_fails_alone_and_blocks_its_children(ray_local, project):
+    cfg = smoke()
+    trials = plan(cfg, parse_overrides(["variant=eagle3,hybrid", "train.lr=0.001,0.0123"]))
+    by = {t.name: t for t in trials}
+    assert by["hybrid-lr0.0123"].depends_on == "eagle3-lr0.0123"
+    result = run_sweep(trials, project, trial_fn=quick_trial)
+    assert result.exit_code == 1
+    assert sorted(result.failed_names) == ["eagle3-lr0.0123", "hybrid-lr0.0123"]
+    rows = {r["trial"]: r for r in json.loads(project.stepwise_metrics("adhoc").read_text())}
+    assert rows["eagle3-lr0.001"]["status"] == "ok" and rows["hybrid-lr0.001"]["status"] == "ok"
+    assert rows["eagle3-lr0.0123"]["status"] == "failed"
+    assert "planned failure" in rows["eagle3-lr0.0123"]["error"]
+    assert "depends on eagle3-lr0.0123" in rows["hybrid-lr0.0123"]["error"]
+    assert "hybrid-lr0.0123" not in _calls(project)             # never started
+    _, parents, children = _runs(project)
+    status = {c.info.run_name: c.info.status for c in children}
+    assert status["eagle3-lr0.0123"] == "FAILED" and status["eagle3-lr0.001"] == "FINISHED"
+    assert parents[0].info.status == "FAILED"
+    assert not (project.run_dir("adhoc", "eagle3-lr0.0123") / "result.json").exists()
+
+
+KILL_SCRIPT = """
+import os, sys, time
+from pathlib import Path
+from pipeline.config import load_config, parse_overrides
+from pipeline.sweep import plan, run_sweep
+from stages.common import Paths
+
+def slow_trial(trial, paths, report):
+    (paths.root / "calls").mkdir(exist_ok=True)
+    (paths.root / "calls" / f"{trial.name}.{time.time_ns()}").write_text("")
+    if trial.config.drafter.depth > 1:
+        time.sleep(120)
+    a = [0.5] * 7
+    return {"alpha": a, "acc": a, "mat": 2.0, "retention": 1.0}
+
+cfg = load_config("smoke", ["ray.max_concurrent=2"])
+run_sweep(plan(cfg, parse_overrides(["depth=1,2,3"])), Paths(Path(sys.argv[1])), trial_fn=slow_trial)
+"""
+
+
+def test_killed_sweep_resumes_without_redoing_finished_trials(ray_local, project, tmp_path):
+    script = tmp_path / "sweep_to_kill.py"
+    script.write_text(KILL_SCRIPT)
+    env = {**os.environ, "RAY_ADDRESS": ray_local, "RAY_AUTH_MODE": "disabled"}
+    proc = subprocess.Popen([sys.executable, str(script), str(project.root)], env=env, cwd=ROOT,
+                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, start_new_session=True)
+    done = project.run_dir("adhoc", "kv_only-d1") / "result.json"
+    try:
+        deadline = time.time() + 90
+        while not done.is_file() and time.time() < deadline and proc.poll() is None:
+            time.sleep(0.2)
+        assert done.is_file(), proc.stderr.read().decode()[-2000:] if proc.poll() is not None else "timeout"
+        os.kill(proc.pid, signal.SIGKILL)                   # the driver dies mid-sweep
+        proc.wait(10)
+    finally:
+        if proc.poll() is None:
+            os.kill(proc.pid, signal.SIGKILL)
+        proc.stderr.close()
+    assert _calls(project).count("kv_only-d1") == 1
+
+    result = run_sweep(plan(smoke(), parse_overrides(["depth=1,2,3"])), project, trial_fn=quick_trial)
+    assert result.exit_code == 0
+    assert result.skipped == ["kv_only-d1"] and sorted(result.ran) == ["kv_only-d2", "kv_only-d3"]
+    assert _calls(project).count("kv_only-d1") == 1
