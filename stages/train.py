@@ -1,13 +1,27 @@
-"""train: one drafter variant trained with the K-step training-time-test unroll -> runs/<study>/<trial>/."""
+"""train: one drafter variant trained with the K-step training-time-test unroll -> runs/<study>/<trial>/.
+
+The loop (DESIGN §6): batches of target information (offline feature cache, or the target run online) go
+through `models.ttt`'s K-step unroll; AdamW, linear warm-up then cosine decay, gradient clipping, bf16 autocast
+when asked. Every `checkpoint_every` steps the model, optimizer, scheduler and RNG state are written atomically
+(stages.checkpoint) and a restarted run continues from there; the data order is a pure function of (seed, step),
+so a resumed run sees exactly the batches an uninterrupted one would and ends with the same weights on CPU.
+"""
 from __future__ import annotations
 
-from typing import Literal
+import math
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Literal, Protocol
 
+import torch
 from pydantic import Field
 
-from stages.common import Paths, Report, Section
+from stages import checkpoint as ckpt
+from stages.common import Paths, Report, Section, StageError, TargetParams, load_target_for
 
 Variant = Literal["eagle3", "kv_only", "hybrid", "cross_only"]
+CKPT_CHILDREN = ("hybrid", "cross_only")   # variants whose init=ckpt loads a trained eagle3 drafter
 
 
 class DrafterParams(Section):
@@ -37,7 +51,308 @@ class TrainParams(Section):
     checkpoint_every: int = Field(200, ge=1)
     log_every: int = Field(10, ge=1)
     seed: int = 0
+    head_init: Literal["target", "random"] = "target"   # LM head rows copied from the target's for d2t, or random
 
 
-def run(drafter: DrafterParams, params: TrainParams, run_dir, paths: Paths, report: Report) -> None:
-    raise NotImplementedError("train is not built yet")
+# -- pure helpers: schedule and data order -------------------------------------------------------------------------
+
+def total_steps(params: TrainParams, num_conversations: int) -> int:
+    """Optimizer steps of the run: `max_steps` when set, else ceil(epochs x batches per epoch)."""
+    if params.max_steps is not None:
+        return params.max_steps
+    per_epoch = math.ceil(num_conversations / params.batch_size)
+    return max(1, math.ceil(params.epochs * per_epoch))
+
+
+def lr_factor(step: int, total: int, warmup_ratio: float) -> float:
+    """Linear warm-up over the first warmup_ratio of the run, then cosine decay to zero (multiplies params.lr)."""
+    warmup = int(round(warmup_ratio * total))
+    if step < warmup:
+        return (step + 1) / warmup
+    progress = (step - warmup) / max(1, total - warmup)
+    return 0.5 * (1.0 + math.cos(math.pi * min(1.0, progress)))
+
+
+def batch_indices(step: int, num_conversations: int, batch_size: int, seed: int) -> list[int]:
+    """Conversation indices of optimizer step `step`: a fresh seeded permutation per epoch, no state carried.
+
+    An epoch is ceil(n / batch_size) batches; its last batch is short rather than wrapping into the next epoch,
+    so every conversation is seen exactly once per epoch.
+    """
+    per_epoch = math.ceil(num_conversations / batch_size)
+    epoch, pos = divmod(step, per_epoch)
+    g = torch.Generator().manual_seed(seed * 1_000_003 + epoch)
+    perm = torch.randperm(num_conversations, generator=g)
+    return perm[pos * batch_size:(pos + 1) * batch_size].tolist()
+
+
+# -- target information: where batches come from ----------------------------------------------------------------
+
+@dataclass
+class TargetBatch:
+    """What one TTT step needs from the target, as plain tensors (right-padded)."""
+
+    input_ids: torch.Tensor                        # [B, T] long
+    loss_mask: torch.Tensor                        # [B, T] bool, assistant tokens
+    attention_mask: torch.Tensor                   # [B, T] bool, real tokens
+    features: torch.Tensor                         # [B, T, 3d] concat of the target features
+    last_hidden: torch.Tensor                      # [B, T, d] final norm applied (target logits via lm_head)
+    kv: list[tuple[torch.Tensor, torch.Tensor]]    # per kv layer (K, V) [B, Hkv, T, hd], post-RoPE
+
+    @property
+    def tokens(self) -> int:
+        return int(self.attention_mask.sum())
+
+    def to(self, dtype: torch.dtype | None = None, device: torch.device | str | None = None) -> "TargetBatch":
+        """Float tensors cast to `dtype` (fp32 training reads a bf16 cache), all moved to `device`."""
+        def f(t: torch.Tensor) -> torch.Tensor:
+            return t.to(device=device, dtype=dtype if dtype is not None and t.is_floating_point() else t.dtype)
+        return TargetBatch(f(self.input_ids), f(self.loss_mask), f(self.attention_mask), f(self.features),
+                           f(self.last_hidden), [(f(k), f(v)) for k, v in self.kv])
+
+
+class TargetSource(Protocol):
+    """A set of tokenised conversations with target information, addressable by index."""
+
+    def __len__(self) -> int: ...
+    def batch(self, indices: list[int]) -> TargetBatch: ...
+    def token_counts(self, vocab_size: int) -> torch.Tensor: ...    # loss-masked token frequencies [V]
+
+
+def pad_right(seqs: list[torch.Tensor], value: int | bool) -> torch.Tensor:
+    T = max(len(s) for s in seqs)
+    out = torch.full((len(seqs), T), value, dtype=seqs[0].dtype)
+    for i, s in enumerate(seqs):
+        out[i, :len(s)] = s
+    return out
+
+
+class OnlineSource:
+    """Runs the target on tokenised conversations as batches are asked for (DESIGN §6, required at scale)."""
+
+    def __init__(self, target, conversations: list[tuple[list[int], list[bool]]], max_len: int | None = None):
+        if not conversations:
+            raise StageError("online target source: no conversations")
+        self.target = target
+        self.seqs = [(torch.tensor(ids[:max_len], dtype=torch.long), torch.tensor(mask[:max_len], dtype=torch.bool))
+                     for ids, mask in conversations]
+
+    def __len__(self) -> int:
+        return len(self.seqs)
+
+    def token_counts(self, vocab_size: int) -> torch.Tensor:
+        from models.vocab import count_tokens
+
+        counts = torch.zeros(vocab_size, dtype=torch.long)
+        for ids, mask in self.seqs:
+            counts = count_tokens(ids, mask, vocab_size, counts)
+        return counts
+
+    @torch.no_grad()
+    def batch(self, indices: list[int]) -> TargetBatch:
+        ids = pad_right([self.seqs[i][0] for i in indices], 0)
+        loss_mask = pad_right([self.seqs[i][1] for i in indices], False)
+        attn = pad_right([torch.ones(len(self.seqs[i][0]), dtype=torch.bool) for i in indices], False)
+        cap = self.target.capture(ids, attention_mask=attn.long().to(self.target.device))
+        return TargetBatch(ids, loss_mask, attn, torch.cat(cap.features, -1), cap.last_hidden,
+                           [(k, v) for k, v in cap.kv])
+
+
+# -- the drafter -------------------------------------------------------------------------------------------------
+
+def needs_parent(drafter: DrafterParams) -> bool:
+    return drafter.variant in CKPT_CHILDREN and drafter.init == "ckpt"
+
+
+def build_drafter(target, drafter: DrafterParams, counts: torch.Tensor, head_init: str = "target"):
+    """A fresh drafter sized from the target, with the draft vocabulary chosen from `counts`."""
+    from models.drafter import Drafter, DrafterConfig
+    from models.vocab import build_draft_vocab
+
+    cfg = DrafterConfig.from_target(target, variant=drafter.variant, depth=drafter.depth,
+                                    injection=drafter.injection, rope_fix=drafter.rope_fix,
+                                    draft_vocab_size=drafter.draft_vocab_size)
+    model = Drafter(cfg)
+    d2t, _ = build_draft_vocab(counts, cfg.draft_vocab_size)
+    model.set_vocab(d2t)
+    head = target.lm_head.weight.detach().float().cpu() if head_init == "target" else None
+    model.load_target_weights(target.embed_tokens.weight.detach().float().cpu(), head)
+    return model
+
+
+def init_from_parent(model, init_from: Path | None, drafter: DrafterParams) -> dict:
+    """init=ckpt: copy the shared tensors of the trained eagle3 run in `init_from` (DESIGN §5)."""
+    from models.drafter import init_from_eagle3
+
+    what = f"drafter.init=ckpt for variant {drafter.variant!r}"
+    if init_from is None:
+        raise StageError(f"{what}: needs the trained eagle3 run directory (init_from), none given")
+    if not ckpt.is_trained(init_from):
+        raise StageError(f"{what}: no trained eagle3 drafter in {init_from} (train the eagle3 trial first)")
+    config, weights = ckpt.load_run(init_from)
+    parent = config.get("drafter", {}).get("variant")
+    if parent != "eagle3":
+        raise StageError(f"{what}: {init_from} holds a {parent!r} drafter, expected 'eagle3'")
+    try:
+        loaded, new = init_from_eagle3(model, weights)
+    except ValueError as exc:
+        raise StageError(f"{what}: {init_from}: {exc}") from None
+    return {"init_from": str(init_from), "loaded": len(loaded), "new": [k for k in new if k not in ckpt.FROZEN]}
+
+
+# -- the run -----------------------------------------------------------------------------------------------------
+
+def resolved_config(model, drafter: DrafterParams, params: TrainParams, target: TargetParams,
+                    num_conversations: int, steps: int) -> dict:
+    """The run's identity: what config.json records and what a resumed run must agree with."""
+    return {"drafter": model.config.to_dict(), "draft_vocab_size": model.config.draft_vocab_size,
+            "params": {"drafter": drafter.model_dump(), "train": params.model_dump(), "target": target.model_dump()},
+            "data": {"scale": params.scale, "conversations": num_conversations, "steps": steps}}
+
+
+def _autocast(params: TrainParams, device: torch.device):
+    return torch.autocast(device.type, dtype=torch.bfloat16, enabled=params.precision == "bf16")
+
+
+def _progress():
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
+
+    return Progress(TextColumn("[bold]train[/] {task.description}"), BarColumn(), MofNCompleteColumn(),
+                    TextColumn("{task.fields[tps]:>7.0f} tok/s  loss {task.fields[loss]:.3f}"),
+                    TimeRemainingColumn(), transient=False)
+
+
+def run(drafter: DrafterParams, params: TrainParams, run_dir: Path, paths: Paths, report: Report, *,
+        target: TargetParams, data: Any = None, features: Any = None, init_from: Path | None = None,
+        source: TargetSource | None = None, loaded_target: Any = None, stop_after: int | None = None) -> dict:
+    """Train one drafter into `run_dir` (config.json, model.safetensors); resume from its last checkpoint.
+
+    `source` / `loaded_target` inject ready objects (tests, callers holding a target); by default the target is
+    loaded from `target` and batches come from the feature cache of `params.scale` (or the target online).
+    `stop_after` ends the run after that many optimizer steps with a checkpoint, as a kill would, leaving the
+    schedule of the full run unchanged.
+    """
+    run_dir = Path(run_dir)
+    torch.manual_seed(params.seed)
+    tgt = loaded_target if loaded_target is not None else load_target_for(target, paths)
+    src = source if source is not None else open_source(params, paths, tgt, data=data, features=features)
+    n_conv = len(src)
+    steps = total_steps(params, n_conv)
+
+    torch.manual_seed(params.seed)
+    model = build_drafter(tgt, drafter, src.token_counts(tgt.vocab_size), params.head_init)
+    init_info = init_from_parent(model, init_from, drafter) if needs_parent(drafter) else {}
+    config = resolved_config(model, drafter, params, target, n_conv, steps)
+    if ckpt.is_trained(run_dir):
+        done, _ = ckpt.load_run(run_dir)
+        if {k: done.get(k) for k in config} == config and "summary" in done:
+            return done["summary"]
+
+    device = tgt.device
+    model.to(device)
+    trainable = [p for p in model.parameters() if p.requires_grad]
+    opt = torch.optim.AdamW(trainable, lr=params.lr, weight_decay=params.weight_decay)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: lr_factor(s, steps, params.warmup_ratio))
+
+    start, tokens_before, wall_before = 0, 0, 0.0
+    latest = ckpt.latest_checkpoint(run_dir)
+    if latest is not None:
+        state = ckpt.load_checkpoint(latest)
+        if state.extra.get("config") == config:
+            ckpt.load_weights(model, state.model)
+            opt.load_state_dict(state.optimizer)
+            sched.load_state_dict(state.scheduler)
+            ckpt.set_rng_state(state.rng)
+            start = state.step
+            tokens_before, wall_before = state.extra.get("tokens", 0), state.extra.get("wall_s", 0.0)
+        else:   # a checkpoint of another configuration is not this run's past
+            ckpt.remove_checkpoints(run_dir)
+
+    lm_head = tgt.lm_head.weight.detach()
+    data_dtype = None if params.precision == "bf16" else torch.float32
+    end = steps if stop_after is None else min(steps, stop_after)
+    tokens, t_start = tokens_before, time.perf_counter()
+    window, win_tokens, win_t0 = None, 0, time.perf_counter()
+    loss_value = float("nan")
+    model.train()
+
+    def save_state(step: int) -> None:
+        ckpt.save_checkpoint(run_dir, ckpt.TrainState(
+            step=step, model=ckpt.trainable_weights(model), optimizer=opt.state_dict(),
+            scheduler=sched.state_dict(), rng=ckpt.rng_state(),
+            extra={"config": config, "tokens": tokens, "wall_s": wall_before + time.perf_counter() - t_start}))
+
+    with _progress() as bar:
+        task = bar.add_task(f"{drafter.variant} d{drafter.depth}", total=steps, completed=start, tps=0.0,
+                            loss=float("nan"))
+        for step in range(start, end):
+            batch = src.batch(batch_indices(step, n_conv, params.batch_size, params.seed)).to(data_dtype, device)
+            with _autocast(params, device):
+                out = ttt_step(model, batch, lm_head, params)
+            opt.zero_grad(set_to_none=True)
+            out.loss.backward()
+            grad_norm = torch.nn.utils.clip_grad_norm_(trainable, params.grad_clip)
+            lr = opt.param_groups[0]["lr"]
+            opt.step()
+            sched.step()
+
+            loss_value = float(out.loss.detach())
+            tokens += batch.tokens
+            win_tokens += batch.tokens
+            window = out.counts if window is None else window + out.counts
+            done = step + 1
+            if done % params.log_every == 0 or done == end:
+                dt = max(time.perf_counter() - win_t0, 1e-9)
+                report(step_metrics(out, window, loss_value, lr, float(grad_norm), win_tokens / dt), done)
+                bar.update(task, tps=win_tokens / dt)
+                window, win_tokens, win_t0 = None, 0, time.perf_counter()
+            bar.update(task, completed=done, loss=loss_value)
+            if done % params.checkpoint_every == 0 and done < end:
+                save_state(done)
+
+    wall = wall_before + time.perf_counter() - t_start
+    summary = {"steps": end, "total_steps": steps, "tokens": tokens, "wall_s": round(wall, 3),
+               "tokens_per_s": round(tokens / wall, 1) if wall > 0 else None, "final_loss": loss_value,
+               "conversations": n_conv, **init_info}
+    if end < steps:     # stopped early on purpose: leave a checkpoint to resume from, no final model
+        save_state(end)
+        return {**summary, "finished": False}
+    model.eval()
+    ckpt.save_run(run_dir, {**config, "summary": {**summary, "finished": True}}, ckpt.trainable_weights(model))
+    ckpt.remove_checkpoints(run_dir)
+    return {**summary, "finished": True}
+
+
+def ttt_step(model, batch: TargetBatch, lm_head_weight: torch.Tensor, params: TrainParams):
+    """One K-step unroll over a batch (models.ttt), target logits from the last hidden state."""
+    from models.ttt import ttt_unroll
+
+    return ttt_unroll(model, batch.input_ids, batch.loss_mask, attention_mask=batch.attention_mask,
+                      features=batch.features if model.config.uses_features else None,
+                      target_kv=batch.kv if model.config.reads_kv else None,
+                      target_hidden=batch.last_hidden, lm_head_weight=lm_head_weight,
+                      steps=params.ttt_steps, decay=params.step_decay)
+
+
+def step_metrics(out, window, loss: float, lr: float, grad_norm: float, tokens_per_s: float) -> dict[str, float]:
+    """Flat metrics of a log step: total and per-step loss, acc_k/α_k over the log window, lr, gate means."""
+    m = {"loss": loss, "lr": lr, "grad_norm": grad_norm, "tokens_per_s": tokens_per_s}
+    for k, v in enumerate(out.losses):
+        m[f"loss_{k}"] = v
+    for k, (a, c) in enumerate(zip(window.alpha, window.acc)):
+        m[f"alpha_{k}"] = a
+        m[f"acc_{k}"] = c
+    for layer, g in out.gate_means.items():
+        m[f"gate_{layer}"] = g
+    return m
+
+
+def open_source(params: TrainParams, paths: Paths, target, *, data: Any = None, features: Any = None) -> TargetSource:
+    """Batches for scale `params.scale`: the offline feature cache, or the target run online."""
+    online = params.online or (features is not None and not getattr(features, "offline", True))
+    cache = paths.features(params.scale)
+    if online:
+        raise StageError("train.online=true: not available yet")
+    if not (cache / "index.json").is_file():
+        raise StageError(f"train.scale={params.scale!r}: no feature cache at {cache} (run `kvshot features` first)")
+    raise StageError("feature cache reader not available yet")

@@ -1,0 +1,212 @@
+"""A drafter run directory on disk: the final model plus resumable training checkpoints.
+
+Layout of `runs/<study>/<trial>/` (DESIGN §10):
+
+    config.json              fully resolved: drafter config, train params, draft vocabulary size, summary
+    model.safetensors        trained weights plus the draft-vocabulary maps `d2t` / `t2d`
+    checkpoint/latest        name of the newest complete checkpoint (written atomically, last)
+    checkpoint/step-NNNNNNN/ model.safetensors, optimizer.pt, scheduler.pt, rng.pt, state.json
+
+A checkpoint directory is filled under a temporary name and renamed into place, and `latest` moves only
+after that; a kill at any moment leaves the previous checkpoint readable. Optimizer and scheduler states
+hold Python scalars next to tensors, so they go through `torch.save` and come back with `weights_only=True`.
+"""
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors.torch import load_file, save_file
+
+from stages.common import StageError, atomic_path, write_json_atomic, write_text_atomic
+
+CONFIG_FILE = "config.json"
+MODEL_FILE = "model.safetensors"
+CHECKPOINT_DIR = "checkpoint"
+LATEST_FILE = "latest"
+KEEP_CHECKPOINTS = 1   # older complete checkpoints are removed once a newer one is in place
+# The drafter's token embedding is the target's, frozen: it is not saved, `load_drafter` copies it back in.
+FROZEN = ("embed_tokens.weight",)
+
+
+def _contiguous(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    # safetensors refuses shared or strided storage (tied weights, views); drafter weights are small to copy
+    return {k: v.detach().contiguous().clone() for k, v in tensors.items()}
+
+
+def save_tensors(path: Path, tensors: dict[str, torch.Tensor], metadata: dict[str, str] | None = None) -> None:
+    """Write a safetensors file atomically."""
+    with atomic_path(Path(path)) as tmp:
+        save_file(_contiguous(tensors), str(tmp), metadata=metadata)
+
+
+def load_tensors(path: Path) -> dict[str, torch.Tensor]:
+    path = Path(path)
+    if not path.is_file():
+        raise StageError(f"{path}: no such file")
+    try:
+        return load_file(str(path))
+    except Exception as exc:  # noqa: BLE001 - a damaged file is one line for the user, whatever the parser says
+        raise StageError(f"{path}: not a readable safetensors file ({type(exc).__name__})") from None
+
+
+# -- the final model ---------------------------------------------------------------------------------------------
+
+def save_run(run_dir: Path, config: dict[str, Any], weights: dict[str, torch.Tensor]) -> None:
+    """Write model.safetensors, then config.json: config.json present means the model beside it is complete."""
+    run_dir = Path(run_dir)
+    save_tensors(run_dir / MODEL_FILE, weights, metadata={"format": "pt"})
+    write_json_atomic(run_dir / CONFIG_FILE, config)
+
+
+def load_run(run_dir: Path) -> tuple[dict[str, Any], dict[str, torch.Tensor]]:
+    """(config, weights) of a trained run directory; a missing or unfinished run is a one-line StageError."""
+    run_dir = Path(run_dir)
+    if not run_dir.is_dir():
+        raise StageError(f"run directory {run_dir}: does not exist")
+    cfg_file, model_file = run_dir / CONFIG_FILE, run_dir / MODEL_FILE
+    if not cfg_file.is_file() or not model_file.is_file():
+        raise StageError(f"run directory {run_dir}: no trained drafter in it ({CONFIG_FILE} or {MODEL_FILE} missing)")
+    try:
+        config = json.loads(cfg_file.read_text())
+    except json.JSONDecodeError as exc:
+        raise StageError(f"{cfg_file}: not valid JSON ({exc.msg})") from None
+    return config, load_tensors(model_file)
+
+
+def is_trained(run_dir: Path) -> bool:
+    run_dir = Path(run_dir)
+    return (run_dir / CONFIG_FILE).is_file() and (run_dir / MODEL_FILE).is_file()
+
+
+def trainable_weights(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """The drafter's state dict without the frozen target embedding (d2t / t2d buffers included)."""
+    return {k: v for k, v in model.state_dict().items() if k not in FROZEN}
+
+
+def load_weights(model: torch.nn.Module, weights: dict[str, torch.Tensor]) -> None:
+    """Load saved weights into a drafter built from the same config; anything but FROZEN missing is an error."""
+    missing, unexpected = model.load_state_dict(weights, strict=False)
+    missing = [k for k in missing if k not in FROZEN]
+    if missing or unexpected:
+        raise StageError(f"saved drafter weights do not fit the drafter config: missing {missing[:3]}, "
+                         f"unexpected {unexpected[:3]}")
+
+
+def load_drafter(run_dir: Path, target) -> tuple[Any, dict[str, Any]]:
+    """Rebuild a trained drafter from its run directory, with `target`'s embedding copied back in.
+
+    Returns (drafter in eval mode on the target's device, the run's config.json).
+    """
+    from models.drafter import Drafter, DrafterConfig
+
+    config, weights = load_run(run_dir)
+    try:
+        cfg = DrafterConfig.from_dict(config["drafter"])
+    except (KeyError, TypeError, ValueError) as exc:
+        raise StageError(f"{Path(run_dir) / CONFIG_FILE}: no valid drafter config ({exc})") from None
+    if (cfg.vocab_size, cfg.hidden_size) != (target.vocab_size, target.hidden_size):
+        raise StageError(f"run directory {run_dir}: drafter built for vocab {cfg.vocab_size} / hidden "
+                         f"{cfg.hidden_size}, the target has {target.vocab_size} / {target.hidden_size}")
+    model = Drafter(cfg)
+    load_weights(model, weights)
+    model.load_target_weights(target.embed_tokens.weight.detach().float().cpu())
+    return model.to(target.device).eval(), config
+
+
+# -- resumable training checkpoints --------------------------------------------------------------------------------
+
+@dataclass
+class TrainState:
+    """Everything a resumed run needs to continue bit-for-bit."""
+
+    step: int
+    model: dict[str, torch.Tensor]
+    optimizer: dict[str, Any]
+    scheduler: dict[str, Any]
+    rng: dict[str, Any]
+    extra: dict[str, Any]
+
+
+def rng_state() -> dict[str, Any]:
+    state: dict[str, Any] = {"torch": torch.get_rng_state()}
+    if torch.cuda.is_available():
+        state["cuda"] = torch.cuda.get_rng_state_all()
+    return state
+
+
+def set_rng_state(state: dict[str, Any]) -> None:
+    torch.set_rng_state(state["torch"])
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(state["cuda"])
+
+
+def save_checkpoint(run_dir: Path, state: TrainState) -> Path:
+    """Write checkpoint/step-NNNNNNN/ atomically, point `latest` at it, drop older ones."""
+    root = Path(run_dir) / CHECKPOINT_DIR
+    root.mkdir(parents=True, exist_ok=True)
+    name = f"step-{state.step:07d}"
+    final = root / name
+    tmp = Path(tempfile.mkdtemp(dir=root, prefix=f".{name}.tmp-"))
+    try:
+        save_file(_contiguous(state.model), str(tmp / MODEL_FILE))
+        torch.save(state.optimizer, tmp / "optimizer.pt")
+        torch.save(state.scheduler, tmp / "scheduler.pt")
+        torch.save(state.rng, tmp / "rng.pt")
+        (tmp / "state.json").write_text(json.dumps({"step": state.step, **state.extra}, indent=2) + "\n")
+        for f in tmp.iterdir():   # the rename below must not overtake the data on a crash
+            with open(f, "rb") as fh:
+                os.fsync(fh.fileno())
+        if final.exists():
+            shutil.rmtree(final)
+        os.replace(tmp, final)
+    finally:
+        if tmp.exists():
+            shutil.rmtree(tmp, ignore_errors=True)
+    write_text_atomic(root / LATEST_FILE, name + "\n")
+    _prune(root, keep=name)
+    return final
+
+
+def _prune(root: Path, keep: str) -> None:
+    done = sorted(p for p in root.glob("step-*") if p.is_dir() and p.name != keep)
+    for p in done[: max(0, len(done) - (KEEP_CHECKPOINTS - 1))]:
+        shutil.rmtree(p, ignore_errors=True)
+    for p in root.glob(".step-*.tmp-*"):   # leftovers of a run killed mid-write
+        shutil.rmtree(p, ignore_errors=True)
+
+
+def latest_checkpoint(run_dir: Path) -> Path | None:
+    root = Path(run_dir) / CHECKPOINT_DIR
+    pointer = root / LATEST_FILE
+    if not pointer.is_file():
+        return None
+    path = root / pointer.read_text().strip()
+    return path if (path / "state.json").is_file() else None
+
+
+def load_checkpoint(path: Path) -> TrainState:
+    path = Path(path)
+    try:
+        meta = json.loads((path / "state.json").read_text())
+        return TrainState(
+            step=int(meta.pop("step")),
+            model=load_file(str(path / MODEL_FILE)),
+            optimizer=torch.load(path / "optimizer.pt", weights_only=True),
+            scheduler=torch.load(path / "scheduler.pt", weights_only=True),
+            rng=torch.load(path / "rng.pt", weights_only=True),
+            extra=meta,
+        )
+    except (OSError, json.JSONDecodeError, RuntimeError, KeyError) as exc:
+        raise StageError(f"checkpoint {path}: cannot be read ({type(exc).__name__}: {str(exc).splitlines()[0]})") \
+            from None
+
+
+def remove_checkpoints(run_dir: Path) -> None:
+    shutil.rmtree(Path(run_dir) / CHECKPOINT_DIR, ignore_errors=True)

@@ -1,0 +1,232 @@
+"""The train stage on a tiny target: run directory contents, learning, bit-exact resume, ckpt init, bad input."""
+from __future__ import annotations
+
+import math
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from stages import checkpoint as ckpt
+from stages.common import Paths, StageError, TargetParams
+from stages.train import (DrafterParams, OnlineSource, TrainParams, batch_indices, lr_factor, run, total_steps)
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def peaked_target(seed: int = 0):
+    """A tiny random target whose next-token distributions are peaked (a random one is near uniform, which
+    leaves a drafter nothing to learn)."""
+    from models.target import tiny_target
+
+    t = tiny_target("llama", num_layers=6, hidden_size=48, num_heads=6, num_kv_heads=2, vocab_size=64, seed=seed)
+    with torch.no_grad():
+        t.lm_head.weight.normal_(0, 0.6, generator=torch.Generator().manual_seed(seed))
+    return t
+
+
+def conversations(n: int = 4, T: int = 16, seed: int = 0) -> list[tuple[list[int], list[bool]]]:
+    g = torch.Generator().manual_seed(seed)
+    out = []
+    for i in range(n):
+        L = T + i % 3
+        out.append((torch.randint(0, 64, (L,), generator=g).tolist(), [j >= 4 for j in range(L)]))
+    return out
+
+
+@pytest.fixture(scope="module")
+def target():
+    return peaked_target()
+
+
+@pytest.fixture(scope="module")
+def source(target):
+    return OnlineSource(target, conversations())
+
+
+class Log:
+    def __init__(self):
+        self.rows: list[tuple[int | None, dict]] = []
+
+    def __call__(self, metrics, step=None):
+        self.rows.append((step, dict(metrics)))
+
+
+def train(tmp: Path, target, source, drafter: DrafterParams | None = None, **kw):
+    stop_after = kw.pop("stop_after", None)
+    init_from = kw.pop("init_from", None)
+    params = TrainParams(**{**dict(max_steps=6, batch_size=2, lr=3e-3, precision="fp32", log_every=1,
+                                   checkpoint_every=2, warmup_ratio=0.2), **kw})
+    log = Log()
+    summary = run(drafter or DrafterParams(variant="eagle3", draft_vocab_size=48), params, tmp, Paths(tmp.parent),
+                  log, target=TargetParams(), source=source, loaded_target=target, stop_after=stop_after,
+                  init_from=init_from)
+    return summary, log
+
+
+# -- pure helpers ------------------------------------------------------------------------------------------------
+
+def test_schedule_warms_up_then_decays_to_zero():
+    f = [lr_factor(s, 100, 0.1) for s in range(100)]
+    assert f[0] == pytest.approx(0.1) and f[9] == pytest.approx(1.0)
+    assert all(a >= b for a, b in zip(f[10:], f[11:]))
+    assert f[-1] < 0.01
+    assert lr_factor(0, 10, 0.0) == 1.0
+
+
+def test_every_conversation_once_per_epoch_and_order_is_a_function_of_step():
+    n, b = 7, 3
+    per_epoch = math.ceil(n / b)
+    for epoch in range(2):
+        seen = sum((batch_indices(epoch * per_epoch + i, n, b, seed=1) for i in range(per_epoch)), [])
+        assert sorted(seen) == list(range(n))
+    assert batch_indices(4, n, b, 1) == batch_indices(4, n, b, 1)
+    assert batch_indices(0, n, b, 1) != batch_indices(per_epoch, n, b, 1) or n <= b
+    assert total_steps(TrainParams(epochs=2, batch_size=3), n) == 6
+    assert total_steps(TrainParams(epochs=0.5, batch_size=3), n) == 2
+    assert total_steps(TrainParams(max_steps=5), n) == 5
+
+
+# -- the stage ---------------------------------------------------------------------------------------------------
+
+def test_run_writes_config_and_model(tmp_path, target, source):
+    run_dir = tmp_path / "eagle3"
+    summary, log = train(run_dir, target, source, max_steps=3)
+    assert summary["finished"] and summary["steps"] == 3 and summary["tokens"] > 0
+    cfg, weights = ckpt.load_run(run_dir)
+    assert cfg["drafter"]["variant"] == "eagle3" and cfg["draft_vocab_size"] == 48
+    assert cfg["params"]["train"]["max_steps"] == 3 and cfg["summary"]["finished"]
+    assert "embed_tokens.weight" not in weights           # the frozen target embedding is not duplicated
+    assert weights["d2t"].shape == (48,) and weights["t2d"].sum() == 48
+    assert not (run_dir / ckpt.CHECKPOINT_DIR).exists()   # checkpoints go once the final model is in place
+    steps = [s for s, _ in log.rows]
+    assert steps == [1, 2, 3]
+    m = log.rows[-1][1]
+    for key in ("loss", "lr", "tokens_per_s", "loss_0", "loss_6", "acc_0", "alpha_6"):
+        assert key in m and math.isfinite(m[key]) or key.startswith(("acc", "alpha"))
+    # the saved drafter reloads with the target's embedding and gives the trained weights back
+    model, _ = ckpt.load_drafter(run_dir, target)
+    for k, v in weights.items():
+        assert torch.equal(model.state_dict()[k], v), k
+    assert torch.equal(model.embed_tokens.weight, target.embed_tokens.weight.float())
+    # the draft vocabulary is the most frequent loss-masked tokens of the training data
+    counts = source.token_counts(64)
+    assert set(weights["d2t"].tolist()) >= set(torch.nonzero(counts >= counts.sort(descending=True).values[47])
+                                                 .flatten().tolist()[:1])
+    # a finished run is not trained again
+    again, log2 = train(run_dir, target, source, max_steps=3)
+    assert again["steps"] == 3 and log2.rows == []
+
+
+def test_loss_falls_when_overfitting(tmp_path, target):
+    src = OnlineSource(target, conversations(n=2, T=12))
+    summary, log = train(tmp_path / "fit", target, src, max_steps=40, lr=1e-2, batch_size=2, log_every=5,
+                         warmup_ratio=0.0)
+    losses = [m["loss"] for _, m in log.rows]
+    assert losses[-1] < 0.6 * losses[0], losses
+    assert log.rows[-1][1]["acc_0"] > log.rows[0][1]["acc_0"]
+
+
+def test_resume_is_bit_exact(tmp_path, target, source):
+    whole, _ = train(tmp_path / "whole", target, source)
+    part, _ = train(tmp_path / "split", target, source, stop_after=3)
+    assert not part["finished"] and ckpt.latest_checkpoint(tmp_path / "split").name == "step-0000003"
+    rest, log = train(tmp_path / "split", target, source)
+    assert rest["finished"] and [s for s, _ in log.rows] == [4, 5, 6]
+    a = load_file(tmp_path / "whole" / ckpt.MODEL_FILE)
+    b = load_file(tmp_path / "split" / ckpt.MODEL_FILE)
+    assert a.keys() == b.keys()
+    for k in a:
+        assert torch.equal(a[k], b[k]), k
+
+
+@pytest.mark.slow
+def test_resume_after_a_real_kill(tmp_path, target, source):
+    """A subprocess training with a checkpoint every step is killed with SIGKILL; the restarted run ends with
+    the weights of an uninterrupted one."""
+    run_dir = tmp_path / "killed"
+    script = tmp_path / "job.py"
+    script.write_text(f"""
+import sys, time, torch
+sys.path.insert(0, {str(ROOT)!r}); sys.path.insert(0, {str(Path(__file__).parent)!r})
+torch.set_num_threads({torch.get_num_threads()})   # same reduction order as this process
+from test_train import peaked_target, conversations, train
+from stages.train import OnlineSource
+from pathlib import Path
+t = peaked_target()
+slow = OnlineSource(t, conversations())
+fast_batch = slow.batch
+def batch(idx):
+    time.sleep(0.3)           # leaves the parent time to kill mid-run
+    return fast_batch(idx)
+slow.batch = batch
+train(Path({str(run_dir)!r}), t, slow, max_steps=6, checkpoint_every=1)
+""")
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    proc = subprocess.Popen([sys.executable, str(script)], env=env, stdout=subprocess.DEVNULL,
+                            stderr=subprocess.PIPE, start_new_session=True)
+    try:
+        deadline = time.time() + 120
+        while time.time() < deadline:
+            latest = ckpt.latest_checkpoint(run_dir)
+            if latest is not None and int(latest.name.split("-")[1]) >= 2:
+                break
+            if proc.poll() is not None:
+                pytest.fail(f"training subprocess ended early: {proc.stderr.read().decode()[-2000:]}")
+            time.sleep(0.05)
+        else:
+            pytest.fail("training subprocess made no checkpoint in time")
+        os.kill(proc.pid, signal.SIGKILL)
+        proc.wait(30)
+    finally:
+        if proc.poll() is None:
+            os.kill(proc.pid, signal.SIGKILL)
+            proc.wait(30)
+    assert not ckpt.is_trained(run_dir)
+    resumed_from = ckpt.latest_checkpoint(run_dir).name
+    rest, log = train(run_dir, target, source, max_steps=6, checkpoint_every=1)
+    assert rest["finished"] and log.rows[0][0] == int(resumed_from.split("-")[1]) + 1 < 6
+    whole, _ = train(tmp_path / "whole", target, source, max_steps=6, checkpoint_every=1)
+    a, b = load_file(run_dir / ckpt.MODEL_FILE), load_file(tmp_path / "whole" / ckpt.MODEL_FILE)
+    for k in a:
+        assert torch.equal(a[k], b[k]), k
+
+
+@pytest.mark.parametrize("variant", ["hybrid", "cross_only"])
+def test_ckpt_init_loads_the_eagle3_weights(tmp_path, target, source, variant):
+    from stages.train import build_drafter, init_from_parent
+
+    parent = tmp_path / "eagle3"
+    train(parent, target, source, max_steps=2)
+    _, eagle = ckpt.load_run(parent)
+    child = DrafterParams(variant=variant, init="ckpt", draft_vocab_size=48)
+    model = build_drafter(target, child, source.token_counts(64))
+    info = init_from_parent(model, parent, child)
+    own = model.state_dict()
+    shared = [k for k in eagle if k in own]
+    assert info["loaded"] == len(shared) and "fc.weight" in shared and "lm_head.weight" in shared
+    for k in shared:
+        assert torch.equal(own[k], eagle[k]), k
+    assert any("cross_attn" in k for k in info["new"])
+    summary, _ = train(tmp_path / variant, target, source, child, max_steps=2, init_from=parent)
+    assert summary["finished"] and summary["loaded"] == len(shared)
+
+
+def test_bad_inputs_are_one_line_stage_errors(tmp_path, target, source):
+    child = DrafterParams(variant="hybrid", init="ckpt", draft_vocab_size=48)
+    with pytest.raises(StageError, match="init_from") as e:
+        train(tmp_path / "a", target, source, child, max_steps=1)
+    assert "\n" not in str(e.value)
+    with pytest.raises(StageError, match="no trained eagle3") as e:
+        train(tmp_path / "b", target, source, child, max_steps=1, init_from=tmp_path / "missing")
+    assert "\n" not in str(e.value)
+    with pytest.raises(StageError, match="no feature cache") as e:
+        run(DrafterParams(), TrainParams(scale="nowhere", max_steps=1), tmp_path / "c", Paths(tmp_path), Log(),
+            target=TargetParams(), loaded_target=target)
+    assert "\n" not in str(e.value)
