@@ -1,0 +1,61 @@
+"""The CLI contract of DESIGN §10: every command exists, dry-run grids, one-line errors with exit code 2."""
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+KVSHOT = [str(Path(sys.executable).parent / "kvshot")]
+
+
+def run(*args: str, cwd: Path = ROOT) -> subprocess.CompletedProcess:
+    return subprocess.run(KVSHOT + list(args), cwd=cwd, capture_output=True, text=True, timeout=300)
+
+
+def test_help_lists_every_command():
+    out = run("--help")
+    assert out.returncode == 0
+    for command in ("prepare", "regenerate", "features", "train", "evaluate", "e2e", "report", "sweep", "repro",
+                    "ui"):
+        assert command in out.stdout
+    for command in ("prepare", "sweep", "repro"):
+        assert run(command, "--help").returncode == 0
+
+
+def test_sweep_dry_run_prints_the_resolved_grid():
+    out = run("sweep", "depth=1,2,3,4", "variant=kv_only", "--dry-run")
+    assert out.returncode == 0, out.stderr
+    assert "4 trials" in out.stdout
+    for depth in (1, 2, 3, 4):
+        assert f"kv_only-d{depth}" in out.stdout
+
+
+def test_sweep_dry_run_of_a_study_includes_its_baseline():
+    out = run("sweep", "--study", "depth", "--dry-run", "--profile", "default")
+    assert out.returncode == 0, out.stderr
+    assert "eagle3" in out.stdout and "kv_only-d4" in out.stdout
+
+
+@pytest.mark.parametrize("args, needle", [
+    (("sweep", "bogus=1", "--dry-run"), "unknown key 'bogus'; valid keys:"),
+    (("sweep", "depth=two", "--dry-run"), "drafter.depth"),
+    (("prepare", "--profile", "nope"), "unknown profile 'nope'"),
+    (("train", "variant=medusa"), "drafter.variant"),
+])
+def test_bad_input_is_one_line_and_exit_2(args, needle):
+    out = run(*args)
+    assert out.returncode == 2
+    lines = [ln for ln in out.stderr.splitlines() if ln.strip()]
+    assert len(lines) == 1 and needle in lines[0], out.stderr
+    if "two" in args[1]:
+        assert "'two'" in lines[0]
+
+
+def test_paper_profile_fails_fast_without_a_gpu():
+    import torch
+
+    if torch.cuda.is_available():
+        pytest.skip("this machine has a GPU")
+    out = run("prepare", "--profile", "paper")
+    assert out.returncode == 2 and "needs a CUDA GPU" in out.stderr
