@@ -1,16 +1,191 @@
-"""evaluate: step-wise acceptance (alpha_k, acc_k, MAT, retention) of trained drafters -> metrics/stepwise/."""
+"""evaluate: step-wise acceptance (alpha_k, acc_k, MAT, retention) of trained drafters -> metrics/stepwise/.
+
+Each trained drafter runs the same K-step teacher-forced unroll it was trained with (models.ttt), without
+gradients, over the held-out conversations: the eval feature cache `data/features/eval/` by default, or any
+conversation JSONL (DESIGN §10 schema) given as `eval.data=PATH`, tokenised with the target's chat template and
+run through the target here. Scoring follows DESIGN §4: at position t and step k the drafter's top-1 (mapped to
+a target id through d2t) must equal the target's top-1 for token t+2+k, over assistant tokens. Unlike the
+training loss, a position whose target top-1 lies outside the draft vocabulary is scored as a miss (a drafter
+cannot propose that token), so α_k is what speculative decoding would accept.
+"""
 from __future__ import annotations
 
+from pathlib import Path
+from typing import Any, Literal
+
+import torch
+import torch.nn.functional as F
 from pydantic import Field
 
-from stages.common import Paths, Report, Section
+from stages import checkpoint as ckpt
+from stages.common import Paths, Report, Section, StageError, TargetParams, load_target_for, write_json_atomic
+
+EVAL_SPLIT = "eval"
 
 
 class EvalParams(Section):
     data: str | None = None               # conversation JSONL; default: the held-out regenerated split
     max_conversations: int = Field(64, ge=1)
     max_len: int = Field(512, ge=8)
+    batch_size: int = Field(2, ge=1)
+    steps: int | None = Field(None, ge=1)                   # K; default: the K the drafter was trained with
+    precision: Literal["bf16", "fp32"] | None = None        # default: the drafter's training precision
 
 
-def run(params: EvalParams, run_dirs, paths: Paths, report: Report) -> list[dict]:
-    raise NotImplementedError("evaluate is not built yet")
+def _shift(x: torch.Tensor, s: int, fill) -> torch.Tensor:
+    """x[:, s:] padded at the end with `fill` back to length T (position t reads t+s)."""
+    return torch.cat([x[:, s:], torch.full_like(x[:, :s], fill)], 1)
+
+
+@torch.no_grad()
+def stepwise_masks(model, batch, lm_head_weight: torch.Tensor, steps: int,
+                   strict: bool = True) -> tuple[torch.Tensor, torch.Tensor, Any]:
+    """(correct [K, B, T], valid [K, B, T], the TTT output) of one batch.
+
+    valid: token t+2+k exists, is an assistant token, not padding. correct: the drafter's top-1 at (t, k) is the
+    target's top-1 for that token. strict=False also drops positions whose target top-1 is outside the draft
+    vocabulary from `valid`, as the training loss does (the TTT's own counts then agree with these masks).
+    """
+    from models.ttt import ttt_unroll
+
+    target_logits = F.linear(batch.last_hidden.to(lm_head_weight.dtype), lm_head_weight)
+    out = ttt_unroll(model, batch.input_ids, batch.loss_mask, attention_mask=batch.attention_mask,
+                     features=batch.features if model.config.uses_features else None,
+                     target_kv=batch.kv if model.config.reads_kv else None, target_logits=target_logits,
+                     steps=steps, return_logits=True)
+    top = target_logits.argmax(-1)                                   # target id predicted after position t
+    scored = batch.loss_mask.bool() & batch.attention_mask.bool()
+    in_vocab = model.t2d[top]
+    correct, valid = [], []
+    for k, z in enumerate(out.logits):
+        want = _shift(top, 1 + k, -1)
+        v = _shift(scored, 2 + k, False)
+        if not strict:
+            v = v & _shift(in_vocab, 1 + k, False)
+        correct.append(model.d2t[z.argmax(-1)] == want)
+        valid.append(v)
+    return torch.stack(correct), torch.stack(valid), out
+
+
+def evaluate_drafter(model, source, lm_head_weight: torch.Tensor, steps: int, batch_size: int,
+                     precision: str = "fp32", progress=None):
+    """Summed step counts (models.metrics.StepCounts) of one drafter over every conversation of `source`."""
+    from models.metrics import StepCounts, step_counts
+
+    device = lm_head_weight.device
+    total = StepCounts.zeros(steps)
+    dtype = None if precision == "bf16" else torch.float32
+    for start in range(0, len(source), batch_size):
+        batch = source.batch(list(range(start, min(start + batch_size, len(source))))).to(dtype, device)
+        with torch.autocast(device.type, dtype=torch.bfloat16, enabled=precision == "bf16"):
+            correct, valid, _ = stepwise_masks(model, batch, lm_head_weight, steps)
+        total = total + step_counts(correct, valid)
+        if progress is not None:
+            progress(batch.input_ids.shape[0])
+    return total
+
+
+# -- where the held-out conversations come from ------------------------------------------------------------------
+
+def open_eval_source(params: EvalParams, paths: Paths, target, *, data: Any = None, features: Any = None):
+    """The held-out conversations: `params.data` (a JSONL, run through the target here) or the eval cache."""
+    from stages.train import OnlineSource
+
+    if params.data:
+        rows = read_conversations(Path(params.data))
+        convs = tokenize_rows(rows[:params.max_conversations], target, params.max_len, str(params.data))
+        return OnlineSource(target, convs, max_len=params.max_len)
+    cache = paths.features(EVAL_SPLIT)
+    if not (cache / "index.json").is_file():
+        raise StageError(f"eval: no held-out feature cache at {cache} (run `kvshot features`, or give eval.data=PATH)")
+    raise StageError("eval: feature cache reader not available yet")
+
+
+def read_conversations(path: Path) -> list[dict]:
+    """Rows of a conversation JSONL in the DESIGN §10 schema; a row without messages is a one-line error."""
+    from stages.common import read_jsonl
+
+    rows = read_jsonl(path)
+    if not rows:
+        raise StageError(f"eval.data={path}: no conversations in the file")
+    for n, row in enumerate(rows, 1):
+        msgs = row.get("messages") if isinstance(row, dict) else None
+        if not isinstance(msgs, list) or not all(isinstance(m, dict) and "role" in m and "content" in m
+                                                 for m in msgs):
+            raise StageError(f"eval.data={path}: row {n} has no 'messages' list of {{role, content}}")
+        if not any(m["role"] == "assistant" for m in msgs):
+            raise StageError(f"eval.data={path}: row {n} has no assistant turn to score")
+    return rows
+
+
+def tokenize_rows(rows: list[dict], target, max_len: int, what: str) -> list[tuple[list[int], list[bool]]]:
+    raise StageError(f"eval.data={what}: tokenisation not available yet")
+
+
+# -- the stage ---------------------------------------------------------------------------------------------------
+
+def row_for(run_dir: Path, config: dict, counts, steps: int, positions: int) -> dict:
+    """One stepwise row (DESIGN §10) from a run's config.json and its summed counts."""
+    from models.metrics import summary
+
+    d = config.get("params", {}).get("drafter", {})
+    t = config.get("params", {}).get("train", {})
+    s = summary(counts)
+    return {"trial": Path(run_dir).name, "variant": config["drafter"]["variant"], "depth": config["drafter"]["depth"],
+            "injection": d.get("injection", config["drafter"].get("injection")),
+            "rope_fix": d.get("rope_fix", config["drafter"].get("rope_fix")), "init": d.get("init"),
+            "scale": t.get("scale"), "seed": t.get("seed"), "steps": steps,
+            "alpha": s["alpha"], "acc": s["acc"], "mat": s["mat"], "retention": s["retention"],
+            "n_positions": positions, "counts": counts.to_dict(), "run_dir": str(run_dir)}
+
+
+def run(params: EvalParams, run_dirs: list[Path], paths: Paths, report: Report, *, target: TargetParams,
+        data: Any = None, features: Any = None, loaded_target: Any = None, source: Any = None,
+        **_: Any) -> list[dict]:
+    """Step-wise α_k / acc_k / MAT / retention of each trained drafter in `run_dirs`, one row each.
+
+    Each drafter's α_k and acc_k curves go to `report({"alpha": α_k, "acc": acc_k}, step=k)`. Rows are returned,
+    not written (the sweep runner writes metrics/stepwise/<study>.json, e.g. with `write_stepwise`).
+    """
+    from rich.progress import Progress
+
+    run_dirs = [Path(r) for r in run_dirs]
+    if not run_dirs:
+        raise StageError("evaluate: no run directories given")
+    for r in run_dirs:
+        if not ckpt.is_trained(r):
+            raise StageError(f"run directory {r}: no trained drafter in it (config.json / model.safetensors missing)")
+    tgt = loaded_target if loaded_target is not None else load_target_for(target, paths)
+    src = source if source is not None else open_eval_source(params, paths, tgt, data=data, features=features)
+    lm_head = tgt.lm_head.weight.detach()
+    rows = []
+    with Progress(transient=False) as bar:
+        for run_dir in run_dirs:
+            model, config = ckpt.load_drafter(run_dir, tgt)
+            trained = config.get("params", {}).get("train", {})
+            steps = params.steps or int(trained.get("ttt_steps", 7))
+            precision = params.precision or trained.get("precision", "fp32")
+            task = bar.add_task(f"eval {run_dir.name}", total=len(src))
+            counts = evaluate_drafter(model, src, lm_head, steps, params.batch_size, precision,
+                                      progress=lambda n: bar.advance(task, n))
+            row = row_for(run_dir, config, counts, steps, positions=counts.valid[0])
+            for k, (a, c) in enumerate(zip(row["alpha"], row["acc"])):
+                report({"alpha": a, "acc": c}, step=k)
+            report({"mat": row["mat"], "retention": row["retention"]}, step=None)
+            rows.append(row)
+    return rows
+
+
+def write_stepwise(rows: list[dict], path: Path) -> None:
+    """metrics/stepwise/<study>.json: the rows as a JSON list, written atomically (NaN written as null)."""
+    import math
+
+    def clean(v):
+        if isinstance(v, float) and math.isnan(v):
+            return None
+        if isinstance(v, list):
+            return [clean(x) for x in v]
+        if isinstance(v, dict):
+            return {k: clean(x) for k, x in v.items()}
+        return v
+    write_json_atomic(Path(path), [clean(r) for r in rows])

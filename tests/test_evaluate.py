@@ -1,0 +1,102 @@
+"""The evaluate stage: step-wise α_k / acc_k / MAT / retention of trained drafters on a tiny target."""
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+
+import pytest
+import torch
+
+from models.metrics import mat, step_counts
+from stages import checkpoint as ckpt
+from stages.common import Paths, StageError, TargetParams
+from stages.evaluate import EvalParams, run, stepwise_masks, write_stepwise
+from stages.train import DrafterParams, OnlineSource, TrainParams
+from stages.train import run as train_run
+from test_train import Log, conversations, peaked_target
+
+
+@pytest.fixture(scope="module")
+def target():
+    return peaked_target()
+
+
+@pytest.fixture(scope="module")
+def trained(tmp_path_factory, target):
+    """Two short training runs (eagle3, kv_only) sharing one training set."""
+    root = tmp_path_factory.mktemp("runs")
+    src = OnlineSource(target, conversations(n=4))
+    dirs = []
+    for variant in ("eagle3", "kv_only"):
+        d = root / variant
+        train_run(DrafterParams(variant=variant, draft_vocab_size=40),
+                  TrainParams(max_steps=8, batch_size=2, lr=5e-3, precision="fp32", log_every=4),
+                  d, Paths(root), Log(), target=TargetParams(), source=src, loaded_target=target)
+        dirs.append(d)
+    return dirs
+
+
+@pytest.fixture(scope="module")
+def held_out(target):
+    return OnlineSource(target, conversations(n=3, T=14, seed=1))
+
+
+def test_rows_have_alpha_acc_mat_retention(tmp_path, target, trained, held_out):
+    log = Log()
+    rows = run(EvalParams(batch_size=2), trained, Paths(tmp_path), log, target=TargetParams(), source=held_out,
+               loaded_target=target)
+    assert [r["variant"] for r in rows] == ["eagle3", "kv_only"]
+    for r in rows:
+        for key in ("trial", "variant", "depth", "injection", "rope_fix", "init", "scale", "seed", "alpha", "acc",
+                    "mat", "retention", "n_positions"):
+            assert key in r, key
+        K = 7
+        assert len(r["alpha"]) == K and len(r["acc"]) == K
+        assert all(0.0 <= a <= 1.0 for a in r["alpha"] if not math.isnan(a))
+        assert r["alpha"][0] == r["acc"][0]
+        assert r["mat"] == pytest.approx(mat(r["alpha"]))
+        prod, expect = 1.0, 1.0
+        for a in r["alpha"]:
+            prod *= 0.0 if math.isnan(a) else a
+            expect += prod
+        assert r["mat"] == pytest.approx(expect) and 1.0 <= r["mat"] <= 1.0 + K
+        if r["alpha"][0] > 0 and not math.isnan(r["alpha"][-1]):
+            assert r["retention"] == pytest.approx(r["alpha"][-1] / r["alpha"][0])
+        # every assistant token after the first two positions of each conversation is scored at step 0
+        assert r["n_positions"] == sum(sum(m[2:]) for _, m in conversations(n=3, T=14, seed=1))
+    # the α_k curve of each drafter reaches the report callback with step = k
+    curves = [(s, m) for s, m in log.rows if s is not None]
+    assert [s for s, _ in curves] == list(range(7)) * 2
+    assert [m["alpha"] for _, m in curves[:7]] == rows[0]["alpha"]
+    out = tmp_path / "metrics" / "stepwise" / "study.json"
+    write_stepwise(rows, out)
+    assert [r["trial"] for r in json.loads(out.read_text())] == ["eagle3", "kv_only"]
+
+
+def test_strict_scoring_counts_out_of_vocabulary_as_misses(target, trained, held_out):
+    """Without strictness the masks reproduce the TTT's own counts; strict scoring only adds misses."""
+    model, _ = ckpt.load_drafter(trained[0], target)
+    batch = held_out.batch([0, 1, 2])
+    W = target.lm_head.weight
+    correct, valid, out = stepwise_masks(model, batch, W, steps=7, strict=False)
+    assert step_counts(correct, valid) == out.counts
+    s_correct, s_valid, _ = stepwise_masks(model, batch, W, steps=7, strict=True)
+    assert torch.equal(s_correct, correct) and (s_valid >= valid).all()
+    strict, loose = step_counts(s_correct, s_valid), out.counts
+    assert strict.correct == loose.correct and all(a >= b for a, b in zip(strict.valid, loose.valid))
+
+
+def test_bad_inputs_are_one_line_stage_errors(tmp_path, target, trained, held_out):
+    with pytest.raises(StageError, match="no trained drafter") as e:
+        run(EvalParams(), [tmp_path / "missing"], Paths(tmp_path), Log(), target=TargetParams(), source=held_out,
+            loaded_target=target)
+    assert "\n" not in str(e.value)
+    with pytest.raises(StageError, match="no held-out feature cache") as e:
+        run(EvalParams(), trained, Paths(tmp_path), Log(), target=TargetParams(), loaded_target=target)
+    assert "\n" not in str(e.value)
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text('{"id": "a", "messages": [{"role": "user", "content": "hi"}]}\n')
+    with pytest.raises(StageError, match="no assistant turn") as e:
+        run(EvalParams(data=str(bad)), trained, Paths(tmp_path), Log(), target=TargetParams(), loaded_target=target)
+    assert "\n" not in str(e.value)
