@@ -420,6 +420,14 @@ class Drafter(nn.Module):
         self.t2d.zero_()
         self.t2d[d2t] = True
 
+    def outside_ids(self) -> torch.Tensor:
+        """Target ids outside the draft vocabulary (cached until the vocabulary changes)."""
+        key = (self.d2t.data_ptr(), self.d2t._version)
+        if getattr(self, "_outside_key", None) != key:
+            self._outside = (~self.t2d).nonzero().squeeze(1)
+            self._outside_key = key
+        return self._outside
+
     def target_to_draft(self) -> torch.Tensor:
         """[V] long: the draft index of each target id, -1 outside the draft vocabulary."""
         m = torch.full((self.config.vocab_size,), -1, dtype=torch.long, device=self.d2t.device)

@@ -82,6 +82,29 @@ class _TTTContext:
         self.gates[layer].append(g.detach().float().mean())
 
 
+class _SoftCrossEntropy(torch.autograd.Function):
+    """Per-row -p·log_softmax(z), with the gradient softmax(z) - p written directly: fused (log_)softmax
+    passes instead of autograd's chain, and nothing [N, V]-sized in fp32 kept between forward and backward.
+    (torch.logsumexp is several times slower than log_softmax on CPU, hence the form.)"""
+
+    @staticmethod
+    def forward(ctx, z: torch.Tensor, p: torch.Tensor) -> torch.Tensor:
+        logp = torch.log_softmax(z.float(), -1)
+        ctx.save_for_backward(z, p)
+        return -torch.bmm(p.unsqueeze(1), logp.unsqueeze(2)).view(-1)
+
+    @staticmethod
+    def backward(ctx, g: torch.Tensor):
+        z, p = ctx.saved_tensors
+        grad = torch.softmax(z.float(), -1).sub_(p).mul_(g.unsqueeze(1))
+        return grad.to(z.dtype), None
+
+
+def soft_cross_entropy(z: torch.Tensor, p: torch.Tensor) -> torch.Tensor:
+    """Soft cross-entropy per row of logits z [N, V] against probabilities p [N, V] (fp32) -> [N] fp32."""
+    return _SoftCrossEntropy.apply(z, p)
+
+
 def _shift(x: torch.Tensor, s: int, fill) -> torch.Tensor:
     """x[:, s:] padded at the end with `fill` back to length T."""
     pad = torch.full_like(x[:, :s], fill)
@@ -92,11 +115,29 @@ def _shift(x: torch.Tensor, s: int, fill) -> torch.Tensor:
 def target_distribution(target_logits: torch.Tensor, drafter: Drafter) -> tuple[torch.Tensor, torch.Tensor]:
     """Target logits [B, T, V] -> (probabilities over the draft vocabulary [B, T, V_draft] fp32,
     the draft index of the target's argmax [B, T], -1 where the argmax lies outside the draft vocabulary)."""
-    arg = target_logits.argmax(-1)
+    arg = target_logits.max(-1).indices          # max().indices: several times faster than argmax in bf16
     tgt = drafter.target_to_draft()[arg]
     if drafter.config.draft_vocab_size < drafter.config.vocab_size:
         target_logits = target_logits.index_select(-1, drafter.d2t)
     return torch.softmax(target_logits.float(), -1), tgt
+
+
+@torch.no_grad()
+def target_distribution_from_hidden(hidden: torch.Tensor, lm_head_weight: torch.Tensor,
+                                    drafter: Drafter) -> tuple[torch.Tensor, torch.Tensor]:
+    """As `target_distribution`, from the target's last hidden [B, T, d] and its LM head weight [V, d].
+
+    The draft rows and the other rows are two matmuls, so the [B, T, V] logits are never gathered column-wise
+    (slow on CPU); the argmax is inside the draft vocabulary iff the draft rows' max reaches the others' max.
+    """
+    h = hidden.to(lm_head_weight.dtype)
+    if drafter.config.draft_vocab_size == drafter.config.vocab_size:
+        return target_distribution(F.linear(h, lm_head_weight), drafter)
+    logits = F.linear(h, lm_head_weight.index_select(0, drafter.d2t))
+    rest = F.linear(h, lm_head_weight.index_select(0, drafter.outside_ids()))
+    top, arg = logits.max(-1)
+    tgt = torch.where(top >= rest.amax(-1), arg, -1)
+    return torch.softmax(logits.float(), -1), tgt
 
 
 def ttt_unroll(drafter: Drafter, input_ids: torch.Tensor, loss_mask: torch.Tensor,
@@ -122,14 +163,14 @@ def ttt_unroll(drafter: Drafter, input_ids: torch.Tensor, loss_mask: torch.Tenso
     if target_logits is None:
         if target_hidden is None or lm_head_weight is None:
             raise ValueError("ttt_unroll: give target_logits, or target_hidden with lm_head_weight")
-        with torch.no_grad():
-            target_logits = F.linear(target_hidden.to(lm_head_weight.dtype), lm_head_weight)
+        probs, tgt = target_distribution_from_hidden(target_hidden, lm_head_weight, drafter)
+    else:
+        probs, tgt = target_distribution(target_logits, drafter)
     attention_mask = torch.ones(B, T, dtype=torch.bool, device=dev) if attention_mask is None \
         else attention_mask.to(torch.bool)
     if position_ids is None:
         position_ids = torch.arange(T, device=dev).expand(B, T)
     causal = torch.ones(T, T, dtype=torch.bool, device=dev).tril()[None, None] & attention_mask[:, None, None, :]
-    probs, tgt = target_distribution(target_logits, drafter)
     Vd = probs.shape[-1]
     probs = probs.reshape(B * T, Vd)
     tgt = tgt.reshape(B * T)
@@ -155,9 +196,9 @@ def ttt_unroll(drafter: Drafter, input_ids: torch.Tensor, loss_mask: torch.Tenso
         else:
             z = drafter.head(h.reshape(B * T, -1)[idx])
         n = idx.numel()
-        loss_k = F.cross_entropy(z.float(), probs[rows], reduction="sum") / max(n, 1)
+        loss_k = soft_cross_entropy(z, probs[rows]).sum() / max(n, 1)
         correct = torch.zeros(B * T, dtype=torch.bool, device=dev)
-        correct[idx] = z.detach().argmax(-1) == tgt[rows]
+        correct[idx] = z.detach().max(-1).indices == tgt[rows]
         valids.append(valid.reshape(-1))
         corrects.append(correct)
         losses.append(float(loss_k.detach()))

@@ -144,3 +144,19 @@ def test_each_variant_overfits_a_few_sequences(spec):
         first = first if first is not None else out.losses[0]
     assert out.losses[0] < 0.5 * first
     assert out.acc[0] >= 0.9
+
+
+def test_soft_cross_entropy_matches_torch():
+    from models.ttt import soft_cross_entropy
+
+    g = torch.Generator().manual_seed(0)
+    z = torch.randn(7, 13, generator=g, requires_grad=True)
+    p = torch.softmax(torch.randn(7, 13, generator=g), -1)
+    w = torch.randn(7, generator=g)
+    (soft_cross_entropy(z, p) * w).sum().backward()
+    mine = z.grad.clone()
+    z.grad = None
+    ref = torch.nn.functional.cross_entropy(z, p, reduction="none")
+    (ref * w).sum().backward()
+    torch.testing.assert_close(soft_cross_entropy(z, p), ref)
+    torch.testing.assert_close(mine, z.grad)

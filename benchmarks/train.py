@@ -1,0 +1,113 @@
+"""Training speed of each drafter variant: one TTT optimizer step (forward, backward, AdamW) on CPU.
+
+SmolLM2-135M shapes (d=576, 9/3 heads, head_dim 64, SwiGLU 1536, vocab 49152, 16k draft vocabulary), random
+target tensors (features, KV, last hidden; no model load), bf16 autocast, batch 1, every position scored.
+Prints per variant and length the K=7 and K=1 step times (median), their ratio, tokens/s and each variant's
+overhead over eagle3, then one summary line.
+
+    python benchmarks/train.py [--seqs 512 1024] [--variants eagle3 kv_only hybrid] [--repeats 3]
+"""
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from models.drafter import Drafter, DrafterConfig  # noqa: E402
+from models.ttt import ttt_unroll  # noqa: E402
+
+SMOLLM2 = dict(hidden_size=576, num_heads=9, num_kv_heads=3, head_dim=64, intermediate_size=1536, vocab_size=49152,
+               rms_norm_eps=1e-5, rope_theta=100000.0)
+VARIANTS = {
+    "eagle3": dict(variant="eagle3"),
+    "kv_only": dict(variant="kv_only"),
+    "kv_only+fix": dict(variant="kv_only", rope_fix=True),
+    "kv_only/concat": dict(variant="kv_only", injection="head_concat"),
+    "hybrid": dict(variant="hybrid"),
+    "cross_only": dict(variant="cross_only"),
+}
+# the anchor: SpecForge's own eagle3 TTT on this machine (bf16 autocast, no compile), seconds per step
+ANCHOR = {512: {7: 0.92, 1: 0.29}, 1024: {7: 3.83, 1: 0.83}}
+
+
+def batch(T: int, d: int, V: int, seed: int = 0) -> dict:
+    g = torch.Generator().manual_seed(seed)
+    bf = torch.bfloat16
+    # the draft vocabulary is ids 0..16k-1 (the default d2t): make the target's argmax land there, as the
+    # frequency-chosen vocabulary does for ~all real tokens, so every position is scored
+    head = torch.randn(V, d, generator=g) * d ** -0.5
+    head[:16384] *= 3
+    head = head.to(bf)
+    kv = [(torch.randn(1, 3, T, 64, generator=g).to(bf), torch.randn(1, 3, T, 64, generator=g).to(bf))
+          for _ in range(3)]
+    return dict(input_ids=torch.randint(0, V, (1, T), generator=g), loss_mask=torch.ones(1, T),
+                features=torch.randn(1, T, 3 * d, generator=g).to(bf), target_kv=kv,
+                target_hidden=torch.randn(1, T, d, generator=g).to(bf),
+                lm_head_weight=head)
+
+
+def step_time(drafter: Drafter, opt, data: dict, steps: int, repeats: int) -> float:
+    times = []
+    for i in range(repeats + 1):            # the first step warms up allocators and kernels
+        t0 = time.perf_counter()
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            out = ttt_unroll(drafter, steps=steps, **data)
+        opt.zero_grad(set_to_none=True)
+        out.loss.backward()
+        torch.nn.utils.clip_grad_norm_(drafter.parameters(), 0.5)
+        opt.step()
+        if i:
+            times.append(time.perf_counter() - t0)
+    return statistics.median(times)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--seqs", type=int, nargs="+", default=[512, 1024])
+    ap.add_argument("--variants", nargs="+", default=list(VARIANTS), choices=list(VARIANTS))
+    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--draft-vocab", type=int, default=16384)
+    ap.add_argument("--threads", type=int, default=0)
+    args = ap.parse_args()
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, bf16 autocast, batch 1")
+    results: dict = {}
+    for T in args.seqs:
+        data = batch(T, SMOLLM2["hidden_size"], SMOLLM2["vocab_size"])
+        for name in args.variants:
+            torch.manual_seed(0)
+            cfg = DrafterConfig(draft_vocab_size=args.draft_vocab, **VARIANTS[name], **SMOLLM2)
+            drafter = Drafter(cfg).train()
+            opt = torch.optim.AdamW([p for p in drafter.parameters() if p.requires_grad], lr=1e-4, fused=True)
+            t7 = step_time(drafter, opt, data, 7, args.repeats)
+            t1 = step_time(drafter, opt, data, 1, args.repeats)
+            results[(T, name)] = (t7, t1)
+            base = results.get((T, "eagle3"))
+            over = f"{t7 / base[0] - 1:+6.1%} vs eagle3" if base and name != "eagle3" else ""
+            print(f"seq {T:5d} {name:15s} K=7 {t7:6.3f} s  K=1 {t1:6.3f} s  K7/K1 {t7 / t1:4.2f}x  "
+                  f"{T / t7:7.0f} tok/s  {over}", flush=True)
+        if (T, "eagle3") in results and T in ANCHOR:
+            t7, t1 = results[(T, "eagle3")]
+            a = ANCHOR[T]
+            print(f"seq {T:5d} eagle3 vs SpecForge anchor: K=7 {a[7] / t7:4.2f}x faster, K=1 {a[1] / t1:4.2f}x faster")
+    parts = []
+    for T in args.seqs:
+        if (T, "eagle3") in results:
+            t7, t1 = results[(T, "eagle3")]
+            parts.append(f"eagle3@{T} K7 {t7:.2f}s K7/K1 {t7 / t1:.2f}x")
+        overs = [results[(T, n)][0] / results[(T, "eagle3")][0] - 1 for n in args.variants
+                 if n != "eagle3" and (T, n) in results and (T, "eagle3") in results]
+        if overs:
+            parts.append(f"KV overhead@{T} {min(overs):+.0%}..{max(overs):+.0%}")
+    print("SUMMARY train: " + "; ".join(parts))
+
+
+if __name__ == "__main__":
+    main()
