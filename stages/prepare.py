@@ -1,11 +1,40 @@
-"""prepare: raw conversations (ShareGPT, UltraChat) -> data/prepared/<source>.jsonl."""
+"""prepare: raw conversations (ShareGPT, UltraChat) -> data/prepared/<source>.jsonl.
+
+Cleaning rules, applied in this order to every conversation (each counted in the summary table):
+  1. roles normalised: human/user -> user; gpt/chatgpt/bing/bard/assistant/model -> assistant; system stays;
+     any other role drops the conversation;
+  2. empty turns (blank or non-text) are removed;
+  3. one system message is kept if it comes before the first user turn; later system turns are removed;
+  4. leading assistant turns are cut;
+  5. consecutive turns of the same role are merged (texts joined by a blank line), so roles alternate;
+  6. at most `max_user_turns` user->assistant pairs are kept; a trailing user turn without a reply is cut;
+  7. a conversation with no user->assistant pair left is dropped;
+  8. exact duplicates (same messages) are dropped; a repeated id on different content gets a `#n` suffix.
+
+Split and scales: each source's clean conversations are shuffled with `split_seed` (and capped at
+`max_conversations`); its first `eval_size` form the held-out `eval` split. The training rows of all sources are then
+shuffled together and numbered: `scale_rank` is a row's position in that order (eval rows are numbered the same way
+among eval rows). Scale `s` is every train row with `scale_rank < scales[s]`, so scales are nested by construction;
+`used` marks the rows some scale or the eval split needs (the rest are kept for larger scales later).
+A scale larger than the training rows available is an error (a "large" scale that silently equals "small" would
+mislabel every result trained on it).
+"""
 from __future__ import annotations
 
-from typing import Literal
+import hashlib
+import json
+import random
+from collections import Counter
+from typing import Iterable, Literal
 
-from pydantic import Field
+from pydantic import Field, field_validator
 
-from stages.common import Paths, Report, Section
+from stages.common import Paths, Report, Section, StageError, atomic_path
+from stages.sources import LoadStats, iter_records, raw_turns, record_id
+
+EVAL = "eval"
+ROLES = {"human": "user", "user": "user", "gpt": "assistant", "chatgpt": "assistant", "bing": "assistant",
+         "bard": "assistant", "assistant": "assistant", "model": "assistant", "system": "system"}
 
 
 class SourceParams(Section):
@@ -25,6 +54,214 @@ class DataParams(Section):
     max_user_turns: int = Field(2, ge=1)             # user->assistant pairs kept per conversation
     split_seed: int = 0
 
+    @field_validator("scales")
+    @classmethod
+    def _check_scales(cls, v: dict[str, int]) -> dict[str, int]:
+        if not v:
+            raise ValueError("at least one scale is needed")
+        if EVAL in v:
+            raise ValueError(f"{EVAL!r} names the held-out split and cannot be a scale")
+        bad = {k: n for k, n in v.items() if n < 1}
+        if bad:
+            raise ValueError(f"scale sizes must be >= 1, got {bad}")
+        return v
+
+    @property
+    def largest_scale(self) -> int:
+        return max(self.scales.values())
+
+
+# -- selection helpers the later stages share ----------------------------------------------------------------------
+
+def in_scale(row: dict, limit: int) -> bool:
+    return row.get("split") == "train" and row.get("scale_rank", limit) < limit
+
+
+def select_rows(rows: Iterable[dict], data: DataParams, which: str) -> list[dict]:
+    """The rows of scale `which` (or of the `eval` split), ordered by `scale_rank`."""
+    if which == EVAL:
+        out = [r for r in rows if r.get("split") == EVAL]
+    elif which in data.scales:
+        out = [r for r in rows if in_scale(r, data.scales[which])]
+    else:
+        raise StageError(f"unknown scale {which!r}; choices: {', '.join([*data.scales, EVAL])}")
+    return sorted(out, key=lambda r: r["scale_rank"])
+
+
+def needed_rows(rows: Iterable[dict], data: DataParams) -> list[dict]:
+    """Rows some scale or the eval split uses: eval plus the largest scale's (later stages ignore the rest)."""
+    top = data.largest_scale
+    return [r for r in rows if r.get("split") == EVAL or in_scale(r, top)]
+
+
+# -- cleaning ------------------------------------------------------------------------------------------------------
+
+def normalize(turns: list[tuple[str, object]], max_user_turns: int, edits: Counter) -> list[dict] | str:
+    """Clean one conversation's (role, text) turns; returns messages, or the reason it is dropped."""
+    if not turns:
+        return "empty conversation"
+    msgs: list[dict] = []
+    seen_user = False
+    for role, text in turns:
+        norm = ROLES.get(role.strip().lower())
+        if norm is None:
+            return "unknown role"
+        if not isinstance(text, str) or not text.strip():
+            edits["empty turns removed"] += 1
+            continue
+        if norm == "system":
+            if msgs:  # only a leading system prompt is a system prompt
+                edits["late system turns removed"] += 1
+                continue
+        elif norm == "user":
+            seen_user = True
+        elif not seen_user:
+            edits["leading assistant turns cut"] += 1
+            continue
+        if msgs and msgs[-1]["role"] == norm:
+            msgs[-1]["content"] += "\n\n" + text
+            edits["same-role turns merged"] += 1
+            continue
+        msgs.append({"role": norm, "content": text})
+    out: list[dict] = [m for m in msgs[:1] if m["role"] == "system"]
+    body = msgs[len(out):]
+    pairs = 0
+    for i in range(0, len(body) - 1, 2):
+        if pairs == max_user_turns:
+            break
+        out += body[i:i + 2]
+        pairs += 1
+    cut = len(body) - 2 * pairs
+    if cut:
+        edits["turns cut (max_user_turns / no reply)"] += cut
+    if pairs == 0:
+        return "no user->assistant pair"
+    return out
+
+
+def clean_source(name: str, records: Iterable[dict], fmt: str, max_user_turns: int, stats: LoadStats,
+                 edits: Counter) -> list[dict]:
+    """Normalise and de-duplicate one source's records into prepared rows (without split fields yet)."""
+    rows, seen_content, seen_ids = [], set(), Counter()
+    schema_ok = 0
+    for n, record in enumerate(records):
+        turns = raw_turns(record, fmt)
+        if turns is None:
+            stats.dropped[f"not {fmt} schema"] += 1
+            continue
+        schema_ok += 1
+        msgs = normalize(turns, max_user_turns, edits)
+        if isinstance(msgs, str):
+            stats.dropped[msgs] += 1
+            continue
+        digest = hashlib.sha1(json.dumps(msgs, sort_keys=True).encode()).hexdigest()
+        if digest in seen_content:
+            stats.dropped["duplicate"] += 1
+            continue
+        seen_content.add(digest)
+        rid = record_id(record) or digest[:12]
+        seen_ids[rid] += 1
+        if seen_ids[rid] > 1:
+            rid = f"{rid}#{seen_ids[rid] - 1}"
+        rows.append({"id": rid, "source": name, "messages": msgs})
+    if stats.records and not schema_ok:
+        fields = FORMATS_FIELD[fmt]
+        raise StageError(f"{stats.origin}: no record has the {fmt} schema (a {fields!r} list of turns); "
+                         f"check data.sources.{name}.format")
+    if stats.records == 0 and not stats.dropped:
+        raise StageError(f"{stats.origin}: no conversations in the file")
+    return rows
+
+
+FORMATS_FIELD = {"sharegpt": "conversations", "ultrachat": "messages"}
+
+
+def split_and_rank(per_source: dict[str, list[dict]], data: DataParams) -> dict[str, list[dict]]:
+    """Held-out eval split per source, then one global, seeded order of the training rows (`scale_rank`)."""
+    evals, trains = [], []
+    for name, rows in per_source.items():
+        cap = data.sources[name].max_conversations
+        order = list(rows)
+        random.Random(f"{data.split_seed}:{name}").shuffle(order)
+        if cap is not None:
+            order = order[:cap]
+        if len(order) <= data.eval_size:
+            raise StageError(f"data source {name!r}: {len(order)} clean conversations, not more than "
+                             f"data.eval_size={data.eval_size}; nothing would be left to train on")
+        evals += [dict(r, split=EVAL) for r in order[:data.eval_size]]
+        trains += [dict(r, split="train") for r in order[data.eval_size:]]
+    for group, tag in ((evals, "eval"), (trains, "train")):
+        random.Random(f"{data.split_seed}:{tag}").shuffle(group)
+        for rank, row in enumerate(group):
+            row["scale_rank"] = rank
+            row["used"] = tag == "eval" or rank < data.largest_scale  # what regenerate has to answer
+    short = {s: n for s, n in data.scales.items() if n > len(trains)}
+    if short:
+        s, n = max(short.items(), key=lambda kv: kv[1])
+        raise StageError(f"data.scales.{s}={n} asks for more training conversations than the {len(trains):,} "
+                         f"left after cleaning and the eval split (sources: {', '.join(per_source)}); "
+                         f"lower the scale or add a source")
+    out: dict[str, list[dict]] = {name: [] for name in per_source}
+    for row in evals + trains:
+        out[row["source"]].append(row)
+    return out
+
+
+def write_jsonl(path, rows: Iterable[dict]) -> int:
+    n = 0
+    with atomic_path(path) as tmp:
+        with tmp.open("w") as f:
+            for row in rows:
+                f.write(json.dumps(row, ensure_ascii=False) + "\n")
+                n += 1
+    return n
+
+
+def _summary_table(stats: dict[str, LoadStats], edits: dict[str, Counter], kept: dict[str, list[dict]],
+                   data: DataParams):
+    from rich.table import Table
+
+    names = list(stats)
+    table = Table(title="prepare: conversations per rule", show_lines=False)
+    table.add_column("rule")
+    for n in names:
+        table.add_column(n, justify="right")
+    table.add_row("records read", *[f"{stats[n].records:,}" for n in names])
+    reasons = sorted({r for s in stats.values() for r in s.dropped})
+    for r in reasons:
+        table.add_row(f"dropped: {r}", *[f"{stats[n].dropped.get(r, 0):,}" for n in names])
+    for e in sorted({e for c in edits.values() for e in c}):
+        table.add_row(f"[dim]turns: {e}[/dim]", *[f"{edits[n].get(e, 0):,}" for n in names])
+    table.add_row("kept", *[f"{len(kept[n]):,}" for n in names])
+    table.add_row("eval split", *[f"{sum(r['split'] == EVAL for r in kept[n]):,}" for n in names])
+    for s, lim in data.scales.items():
+        table.add_row(f"scale {s} (first {lim:,} train)", *[f"{sum(in_scale(r, lim) for r in kept[n]):,}"
+                                                            for n in names])
+    return table
+
 
 def run(params: DataParams, paths: Paths, report: Report) -> None:
-    raise NotImplementedError("prepare is not built yet")
+    """Load, clean, split and rank every configured source; write data/prepared/<source>.jsonl."""
+    from rich.console import Console
+
+    console = Console(stderr=True)
+    stats: dict[str, LoadStats] = {}
+    edits: dict[str, Counter] = {}
+    cleaned: dict[str, list[dict]] = {}
+    for name, src in params.sources.items():
+        stats[name] = LoadStats(origin=src.path or name)
+        edits[name] = Counter()
+        records = iter_records(src.kind, src.path, src.split, stats[name])
+        cleaned[name] = clean_source(name, records, src.format, params.max_user_turns, stats[name], edits[name])
+        for note in stats[name].notes:
+            console.print(f"[yellow]{name}: {note}[/yellow]")
+    ranked = split_and_rank(cleaned, params)
+    metrics: dict[str, float] = {}
+    for name, rows in ranked.items():
+        write_jsonl(paths.prepared(name), rows)
+        st = stats[name]
+        metrics.update({f"prepare/{name}/read": st.records, f"prepare/{name}/kept": len(rows),
+                        f"prepare/{name}/dropped": sum(st.dropped.values()),
+                        f"prepare/{name}/eval": sum(r["split"] == EVAL for r in rows)})
+    console.print(_summary_table(stats, edits, ranked, params))
+    report(metrics)

@@ -1,0 +1,118 @@
+"""prepare: loaders (truncated JSON, JSONL, datasets folder), cleaning rules, split and nested scales."""
+import json
+from collections import Counter
+from pathlib import Path
+
+import pytest
+
+from stages.common import Paths, StageError, read_jsonl
+from stages.prepare import DataParams, SourceParams, normalize, run, select_rows
+from stages.sources import LoadStats, iter_json_array
+
+FIXTURE = Path(__file__).parent / "fixtures" / "ultrachat_sample.jsonl"
+
+
+def _quiet(metrics, step=None):
+    pass
+
+
+def _data(**kw) -> DataParams:
+    base = dict(sources={"ultrachat": SourceParams(kind="local", format="ultrachat", path=str(FIXTURE))},
+                eval_size=2, scales={"small": 3, "large": 8}, max_user_turns=2)
+    base.update(kw)
+    return DataParams(**base)
+
+
+def test_normalize_rules():
+    edits = Counter()
+    turns = [("gpt", "stray"), ("system", "sys"), ("human", "a"), ("human", "b"), ("bing", " "), ("chatgpt", "A"),
+             ("user", "c"), ("bard", "C"), ("user", "d"), ("gpt", "D"), ("user", "no reply")]
+    out = normalize(turns, max_user_turns=2, edits=edits)
+    assert out == [{"role": "system", "content": "sys"}, {"role": "user", "content": "a\n\nb"},
+                   {"role": "assistant", "content": "A"}, {"role": "user", "content": "c"},
+                   {"role": "assistant", "content": "C"}]
+    assert edits["leading assistant turns cut"] == 1 and edits["same-role turns merged"] == 1
+    assert edits["empty turns removed"] == 1 and edits["turns cut (max_user_turns / no reply)"] == 3
+    assert normalize([("human", "only a question")], 2, Counter()) == "no user->assistant pair"
+    assert normalize([("robot", "x"), ("gpt", "y")], 2, Counter()) == "unknown role"
+    assert normalize([], 2, Counter()) == "empty conversation"
+
+
+def test_truncated_json_array_is_recovered(tmp_path):
+    records = [{"id": f"r{i}", "conversations": [{"from": "human", "value": f"q{i}"},
+                                                  {"from": "gpt", "value": f"a{i}"}]} for i in range(5)]
+    text = json.dumps(records, indent=2)
+    cut = text.index('"r4"') + 10  # inside the last record
+    path = tmp_path / "cut.json"
+    path.write_text(text[:cut])
+    stats = LoadStats()
+    got = list(iter_json_array(path, stats))
+    assert [r["id"] for r in got] == ["r0", "r1", "r2", "r3"]
+    assert stats.dropped["truncated tail"] == 1 and stats.records == 4
+
+
+def test_prepare_ultrachat_fixture_split_and_scales(tmp_path):
+    paths = Paths(tmp_path)
+    data = _data()
+    run(data, paths, _quiet)
+    rows = read_jsonl(paths.prepared("ultrachat"))
+    assert len(rows) == 12  # 14 minus one duplicate and one without a reply
+    assert {r["split"] for r in rows} == {"eval", "train"}
+    ev = select_rows(rows, data, "eval")
+    small, large = select_rows(rows, data, "small"), select_rows(rows, data, "large")
+    assert len(ev) == 2 and len(small) == 3 and len(large) == 8
+    assert [r["id"] for r in large[:3]] == [r["id"] for r in small]       # nested by construction
+    assert not {r["id"] for r in ev} & {r["id"] for r in large}
+    assert sum(r["used"] for r in rows) == 10                              # eval + the largest scale
+    for r in rows:
+        roles = [m["role"] for m in r["messages"] if m["role"] != "system"]
+        assert roles == ["user", "assistant"] * (len(roles) // 2) and 1 <= len(roles) // 2 <= 2
+    by_id = {r["id"]: r for r in rows}
+    assert by_id["uc-05"]["messages"][0]["content"].endswith("\n\nPlease?")
+    assert by_id["uc-02"]["messages"][0]["role"] == "system"
+    # deterministic
+    run(data, paths, _quiet)
+    assert read_jsonl(paths.prepared("ultrachat")) == rows
+    # another seed, another split
+    run(_data(split_seed=1), paths, _quiet)
+    assert [r["id"] for r in read_jsonl(paths.prepared("ultrachat"))] != [r["id"] for r in rows]
+
+
+def test_prepare_hub_path_with_a_local_dataset_folder(tmp_path):
+    folder = tmp_path / "hub"
+    folder.mkdir()
+    (folder / "train.jsonl").write_text(FIXTURE.read_text())
+    paths = Paths(tmp_path)
+    run(_data(sources={"uc": SourceParams(kind="hub", format="ultrachat", path=str(folder), split="train")}),
+        paths, _quiet)
+    assert len(read_jsonl(paths.prepared("uc"))) == 12
+
+
+def test_bad_inputs_are_one_line_errors(tmp_path):
+    paths = Paths(tmp_path)
+    empty = tmp_path / "empty.jsonl"
+    empty.write_text("")
+    with pytest.raises(StageError, match="empty.jsonl: empty file"):
+        run(_data(sources={"x": SourceParams(kind="local", format="ultrachat", path=str(empty))}), paths, _quiet)
+    with pytest.raises(StageError, match="missing.json: no such file"):
+        run(_data(sources={"x": SourceParams(kind="local", path=str(tmp_path / "missing.json"))}), paths, _quiet)
+    with pytest.raises(StageError, match="no record has the sharegpt schema"):
+        run(_data(sources={"x": SourceParams(kind="local", format="sharegpt", path=str(FIXTURE))}), paths, _quiet)
+    with pytest.raises(StageError, match=r"data.scales.large=50 asks for more .* than the 10"):
+        run(_data(scales={"small": 3, "large": 50}), paths, _quiet)
+    with pytest.raises(ValueError, match="held-out split"):
+        DataParams(scales={"eval": 3})
+    # a cut-off last line of a JSONL file is a counted drop, not an error
+    cut = tmp_path / "cut.jsonl"
+    cut.write_text(FIXTURE.read_text()[:-40])
+    run(_data(sources={"x": SourceParams(kind="local", format="ultrachat", path=str(cut))}), paths, _quiet)
+    assert len(read_jsonl(paths.prepared("x"))) == 11
+
+
+def test_embedded_sharegpt_recovers_every_complete_record():
+    from stages.sources import iter_records
+
+    stats = LoadStats()
+    n = sum(1 for _ in iter_records("embedded", None, "train", stats))
+    assert n == stats.records and 17_000 < n < 18_000
+    assert stats.dropped["truncated tail"] == 1
