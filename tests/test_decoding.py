@@ -263,3 +263,81 @@ def test_embedded_bf16_diverges_only_at_near_ties(embedded_target):
                                          eos_token_id=eos)):
             check = lossless_at_near_tie(ref.tokens, ref.logits, res.tokens, tolerance=0.25)
             assert check.lossless, (text, check)
+
+
+# -- real drafters ----------------------------------------------------------------------------------------------
+
+from models.decoding.drafter_proposer import DrafterProposer  # noqa: E402
+from tests.drafter_helpers import make_drafter, naive_logits, tiny  # noqa: E402
+
+DRAFTERS = [dict(variant="eagle3", depth=1), dict(variant="kv_only", depth=2, rope_fix=True),
+            dict(variant="kv_only", depth=1, injection="head_concat"), dict(variant="hybrid", depth=1),
+            dict(variant="cross_only", depth=1)]
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen3"])
+@pytest.mark.parametrize("kw", DRAFTERS, ids=lambda kw: "-".join(str(v) for v in kw.values()))
+def test_lossless_fp32_untrained_drafters(arch, kw):
+    tgt = tiny(arch)
+    drafter = make_drafter(tgt, draft_vocab_size=48, **kw)
+    drafter.set_vocab(torch.randperm(64, generator=torch.Generator().manual_seed(2))[:48].sort().values)
+    prompt = random_prompt(10, 0, vocab=64)
+    ref = greedy_generate(tgt, prompt, 24)
+    for spec in ([4, 1, 6], [3, 3, 12]):
+        res = speculative_generate(tgt, prompt, 24, DrafterProposer(drafter, tgt), spec)
+        assert res.tokens == ref.tokens, (kw, spec, first_divergence(ref.tokens, res.tokens))
+
+
+class _Recording(DrafterProposer):
+    """Records every drafter step's entries with their (t, k) in the EAGLE alignment."""
+
+    def __init__(self, drafter, target):
+        super().__init__(drafter, target)
+        self.entries = []          # (t, k, fed tokens of the chain so far, logits [V_draft])
+        self._catching = False
+        step = drafter.step
+
+        def recorded(ids, h, pos, *args):
+            logits, hid = step(ids, h, pos, *args)
+            for j, (tok, p) in enumerate(zip(ids[0].tolist(), pos[0].tolist())):
+                if self._catching:
+                    self.entries.append((p - 1, 0, [], logits[0, j]))
+                else:
+                    base = self._stable
+                    self._chain.append(tok)
+                    self.entries.append((base - 1, p - base, list(self._chain), logits[0, j]))
+            return logits, hid
+
+        drafter.step = recorded
+
+    def _catch_up(self, root):
+        self._catching, self._chain = True, []
+        try:
+            return super()._catch_up(root)
+        finally:
+            self._catching = False
+
+
+@pytest.mark.parametrize("kw", DRAFTERS, ids=lambda kw: "-".join(str(v) for v in kw.values()))
+def test_drafter_in_decoding_sees_what_it_sees_in_training(kw):
+    """Every drafter entry during chain decoding (catch-up and draft steps, across rounds, with rejected
+    branches dropped) equals the step-by-step reference over the final sequence: same target features/KV,
+    same alignment, same positions."""
+    tgt = tiny("llama")
+    drafter = make_drafter(tgt, **kw)
+    prompt = random_prompt(8, 1, vocab=64)
+    rec = _Recording(drafter, tgt)
+    res = speculative_generate(tgt, prompt, 20, rec, [3, 1, 5])
+    seq = torch.cat([prompt, torch.tensor(res.tokens)])
+    cap = tgt.capture(seq[None])
+    del drafter.step                              # back to the class method for the reference
+    ref = naive_logits(drafter, seq[None], torch.cat(cap.features, -1), cap.kv, steps=5)
+    checked = 0
+    for t, k, chain, logits in rec.entries:
+        if k and chain != seq[t + 2: t + 2 + len(chain)].tolist():
+            continue                              # a draft chain that left the final sequence
+        if t + 1 + k >= seq.numel():
+            continue
+        torch.testing.assert_close(logits, ref[k, 0, t], atol=1e-4, rtol=1e-4)
+        checked += 1
+    assert checked >= seq.numel() - prompt.numel()
