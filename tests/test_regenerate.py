@@ -1,0 +1,152 @@
+"""regenerate: turn-by-turn conditioning, the OpenAI-compatible backend on a local server, kill and resume."""
+import json
+import signal
+import subprocess
+import sys
+import threading
+import time
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
+
+import pytest
+
+from stages.common import Paths, TargetParams, read_jsonl
+from stages.regenerate import Answer, OpenAIBackend, RegenerateParams, partial_paths, regenerate_rows
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def conv(i: int, turns: int = 2, system: bool = False) -> dict:
+    msgs = [{"role": "system", "content": "Be brief."}] if system else []
+    for t in range(turns):
+        msgs += [{"role": "user", "content": f"q{i}.{t}"}, {"role": "assistant", "content": f"old{i}.{t}"}]
+    return {"id": f"c{i}", "source": "s", "split": "train", "scale_rank": i, "messages": msgs}
+
+
+class EchoBackend:
+    """Answers from the history it is given, so the test can see what each turn was conditioned on."""
+
+    def __init__(self):
+        self.seen = []
+
+    def answer(self, histories):
+        self.seen += histories
+        out = []
+        for h in histories:
+            if h[-1]["content"] == "q1.0":
+                out.append(Answer(None, reason="prompt over max_prompt_tokens"))
+            elif h[-1]["content"] == "q2.1":
+                out.append(Answer(None, reason="prompt over max_prompt_tokens"))
+            else:
+                out.append(Answer("re:" + "|".join(m["content"] for m in h), tokens=3))
+        return out
+
+
+def test_turn_by_turn_conditioning_and_drops(tmp_path):
+    rows = [conv(0, system=True), conv(1), conv(2), conv(3, turns=1)]
+    final = tmp_path / "out.jsonl"
+    stats = regenerate_rows(rows, final, RegenerateParams(batch_size=2, window=1), TargetParams(), Paths(tmp_path),
+                            backend=EchoBackend())
+    got = {r["id"]: r for r in read_jsonl(final)}
+    assert set(got) == {"c0", "c2", "c3"} and stats["dropped"] == 1 and stats["ended_early"] == 1
+    c0 = got["c0"]["messages"]
+    assert [m["role"] for m in c0] == ["system", "user", "assistant", "user", "assistant"]
+    assert c0[2]["content"] == "re:Be brief.|q0.0"
+    assert c0[4]["content"] == "re:Be brief.|q0.0|re:Be brief.|q0.0|q0.1"   # conditioned on the new answer
+    assert len(got["c2"]["messages"]) == 2 and got["c2"]["ended"] == "prompt over max_prompt_tokens"
+    assert got["c0"]["gen_tokens"] == 6 and not partial_paths(final)
+
+
+class ChatHandler(BaseHTTPRequestHandler):
+    def do_POST(self):
+        body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+        msgs = body["messages"]
+        if msgs[-1]["content"] == "q1.0":
+            self.send_response(400)
+            self.end_headers()
+            return
+        text = f"{body['model']} says {len(msgs)}:{msgs[-1]['content']}"
+        if len(msgs) > 2:
+            text += f" after {msgs[-2]['content']}"
+        reply = {"choices": [{"message": {"role": "assistant", "content": text}, "finish_reason": "stop"}],
+                 "usage": {"completion_tokens": 5}}
+        data = json.dumps(reply).encode()
+        self.send_response(200)
+        self.send_header("Content-Type", "application/json")
+        self.send_header("Content-Length", str(len(data)))
+        self.end_headers()
+        self.wfile.write(data)
+
+    def log_message(self, *args):
+        pass
+
+
+def test_openai_backend_against_a_local_server(tmp_path):
+    server = ThreadingHTTPServer(("127.0.0.1", 0), ChatHandler)
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    try:
+        url = f"http://127.0.0.1:{server.server_address[1]}/v1"
+        params = RegenerateParams(backend="openai", servers=[url, url], concurrency=3, batch_size=2)
+        final = tmp_path / "out.jsonl"
+        stats = regenerate_rows([conv(i) for i in range(6)], final, params, TargetParams(), Paths(tmp_path),
+                                backend=OpenAIBackend(params, "m"))
+    finally:
+        server.shutdown()
+    got = read_jsonl(final)
+    assert [r["id"] for r in got] == ["c0", "c2", "c3", "c4", "c5"] and stats["tokens"] == 5 * 2 * 5
+    assert got[0]["messages"][1]["content"] == "m says 1:q0.0"
+    assert got[0]["messages"][3]["content"] == "m says 3:q0.1 after m says 1:q0.0"
+
+
+SCRIPT = """
+import sys, json
+from pathlib import Path
+import torch
+torch.set_num_threads(1)
+from transformers import AutoTokenizer
+from models.target import tiny_target
+from stages.common import Paths, TargetParams, read_jsonl
+from stages.regenerate import RegenerateParams, TransformersBackend, regenerate_rows
+tok_dir, rows_file, final = sys.argv[1:4]
+tok = AutoTokenizer.from_pretrained(tok_dir)
+target = tiny_target(vocab_size=len(tok), tokenizer=tok, num_layers=4)
+target.model.generation_config.eos_token_id = tok.eos_token_id
+params = RegenerateParams(max_new_tokens=24, batch_size=2, window=1, max_prompt_tokens=64)
+regenerate_rows(read_jsonl(rows_file), Path(final), params, TargetParams(), Paths(Path(final).parent),
+                backend=TransformersBackend(target, params))
+"""
+
+
+@pytest.mark.slow
+def test_killed_run_resumes_to_the_same_file(tmp_path, embedded_tokenizer):
+    tok_dir = tmp_path / "tok"
+    embedded_tokenizer.save_pretrained(tok_dir)
+    rows = tmp_path / "rows.jsonl"
+    rows.write_text("".join(json.dumps(conv(i)) + "\n" for i in range(16)))
+    script = tmp_path / "regen.py"
+    script.write_text(SCRIPT)
+
+    def start(final: Path) -> subprocess.Popen:
+        return subprocess.Popen([sys.executable, str(script), str(tok_dir), str(rows), str(final)], cwd=ROOT,
+                                stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+
+    whole = tmp_path / "a" / "out.jsonl"
+    assert start(whole).wait(timeout=300) == 0
+    killed = tmp_path / "b" / "out.jsonl"
+    proc = start(killed)
+    deadline = time.time() + 240
+    while time.time() < deadline:  # wait until some conversations are on disk, then kill hard
+        parts = partial_paths(killed)
+        if parts and len(parts[0].read_text().splitlines()) >= 1 + 4:
+            break
+        time.sleep(0.02)
+    proc.send_signal(signal.SIGKILL)
+    proc.wait()
+    assert not killed.exists(), "the run finished before it could be killed"
+    done_before = len(partial_paths(killed)[0].read_text().splitlines()) - 1
+    assert 4 <= done_before < 16
+    assert start(killed).wait(timeout=300) == 0
+    assert killed.read_text() == whole.read_text()
+    ids = [r["id"] for r in read_jsonl(killed)]
+    assert len(ids) == len(set(ids)) and not partial_paths(killed)
