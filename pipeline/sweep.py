@@ -301,9 +301,10 @@ def fingerprint_trials(trials: list[Trial], paths: Paths) -> None:
 # -- Ray ---------------------------------------------------------------------------------------------------------
 
 def ray_temp_dir(paths: Paths) -> Path:
-    """scratch/ray, or a short folder in the system temp dir when that path would overflow Ray's socket names."""
+    """scratch/ray, or a short folder in the system temp dir when that path would overflow Ray's socket names
+    (<temp>/session_<date>_<time>_<usec>_<pid>/sockets/plasma_store must stay under 107 characters)."""
     tmp = paths.scratch / "ray"
-    if len(str(tmp)) <= 48:
+    if len(str(tmp)) <= 44:
         return tmp
     digest = hashlib.sha256(str(paths.root).encode()).hexdigest()[:8]
     return Path(tempfile.gettempdir()) / f"kvshot-ray-{digest}"

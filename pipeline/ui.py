@@ -101,8 +101,15 @@ def start(root: Path, port: int = 5000, tracking: object | None = None, wait_s: 
 
 
 def serve(root: Path, port: int = 5000, tracking: object | None = None) -> None:
-    """`kvshot ui`: start the server, print its URL, keep it up until Ctrl-C, then stop it."""
+    """`kvshot ui`: start the server, print its URL, keep it up until Ctrl-C, then stop it.
+
+    `tracking` (a TrackingParams) defaults to the tracking section of the workspace's params.yaml.
+    """
     console = Console()
+    if tracking is None:
+        from pipeline.config import load_config
+
+        tracking = load_config(None, [], root=Path(root)).tracking
     server = start(root, port, tracking)
     console.print(f"MLflow UI: [bold]{server.url}[/] (Ctrl-C stops it)")
     try:

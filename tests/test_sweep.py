@@ -152,6 +152,40 @@ def test_dvc_lock_md5_is_used_when_recorded(tmp_path):
     assert path_hash(f, tmp_path, HashCache(None), _dvc_lock_md5s(tmp_path)) == "md5:0123abcd"
 
 
+# -- one trial alone (kvshot train) -----------------------------------------------------------------------------
+
+def test_train_one_passes_context_and_parent_checkpoint(tmp_path, monkeypatch):
+    from pipeline.sweep import single_trial, train_one
+    from stages import train
+
+    seen = {}
+
+    def fake_run(drafter, params, run_dir, paths, report, *, target, data=None, features=None, init_from=None):
+        seen.update(variant=drafter.variant, run_dir=run_dir, target=target, init_from=init_from)
+
+    monkeypatch.setattr(train, "run", fake_run)
+    paths = Paths(tmp_path)
+    parent = single_trial(load_config("smoke", ["variant=eagle3"]), "solo")
+    train_one(parent, paths, lambda m, step=None: None)
+    assert seen["variant"] == "eagle3" and seen["init_from"] is None and seen["target"].source == "embedded"
+    assert (paths.run_dir("solo", parent.name) / "fingerprint").read_text().strip() == parent.fingerprint
+
+    child = single_trial(load_config("smoke", ["variant=hybrid", "init=ckpt"]), "solo")
+    assert child.depends_on == parent.name
+    train_one(child, paths, lambda m, step=None: None)
+    assert seen["init_from"] == paths.run_dir("solo", parent.name)
+    with pytest.raises(ConfigError, match="needs the trained eagle3"):
+        train_one(single_trial(load_config("smoke", ["variant=cross_only", "init=ckpt"]), "other"), paths,
+                  lambda m, step=None: None)
+
+    def no_init(drafter, params, run_dir, paths, report, *, target):
+        pass
+
+    monkeypatch.setattr(train, "run", no_init)
+    with pytest.raises(TypeError, match="does not accept init_from"):
+        train_one(child, paths, lambda m, step=None: None)
+
+
 # -- real Ray sweeps ---------------------------------------------------------------------------------------------
 
 def _register_by_value():
@@ -260,6 +294,12 @@ def test_sweep_tracks_reruns_nothing_and_grows(ray_local, project):
                 "retention"} <= set(r) and r["status"] == "ok"
         assert (project.run_dir("adhoc", r["trial"]) / "fingerprint").read_text().strip() == r["fingerprint"]
 
+    # the dry run now shows them done
+    console = Console(record=True, width=200)
+    show_plan(plan(cfg, parse_overrides(["depth=1,2,3,4"])), console=console, paths=project)
+    text = console.export_text()
+    assert text.count("done") == 3 and text.count("to run") == 1
+
     # a re-run runs nothing and reuses every row
     again = run_sweep(plan(cfg, parse_overrides(["depth=1,2,3"])), project, trial_fn=quick_trial)
     assert again.ran == [] and len(again.skipped) == 3 and again.exit_code == 0
@@ -330,7 +370,7 @@ def test_killed_sweep_resumes_without_redoing_finished_trials(ray_local, project
                             stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, start_new_session=True)
     done = project.run_dir("adhoc", "kv_only-d1") / "result.json"
     try:
-        deadline = time.time() + 90
+        deadline = time.time() + 150
         while not done.is_file() and time.time() < deadline and proc.poll() is None:
             time.sleep(0.2)
         assert done.is_file(), proc.stderr.read().decode()[-2000:] if proc.poll() is not None else "timeout"
