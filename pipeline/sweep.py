@@ -379,11 +379,12 @@ class _Forward:
         self.run_ids: dict[str, str] = {}
         self.rows: dict[str, dict] = {}
 
-    def start(self, name: str) -> None:
+    def start(self, name: str, announce: bool = True) -> None:
         from pipeline.config import flatten
 
         t = self.trials[name]
-        self.console.print(f"[cyan]start[/] {t.study}/{name}")
+        if announce:
+            self.console.print(f"[cyan]start[/] {t.study}/{name}")
         if self.tracker is None or name in self.run_ids:
             return
         tags = {"trial": name, "variant": t.variant, "fingerprint": t.fingerprint, "git_commit": self.commit,
@@ -540,6 +541,7 @@ def run_sweep(trials: list[Trial], paths: Paths, trial_fn: TrialFn = run_trial, 
             params={"sweep.study": study, "sweep.trials": len(trials), "sweep.keys": ",".join(varying_keys(trials))},
             tags={"sweep": "parent", "git_commit": commit, "skipped": ",".join(skipped)})
     forward = _Forward(tracker, parent_id, by_name, commit, console)
+    submitted: list[str] = []
 
     try:
         if todo:
@@ -549,17 +551,19 @@ def run_sweep(trials: list[Trial], paths: Paths, trial_fn: TrialFn = run_trial, 
                     for t in wave:
                         parent_row = (rows.get(t.depends_on) or forward.rows.get(t.depends_on)) if t.depends_on else None
                         if t.depends_on and (parent_row is None or parent_row.get("status") != "ok"):
+                            forward.start(t.name, announce=False)   # a FAILED child run says why it never ran
                             forward.finish(t.name, failed_row(t, f"depends on {t.depends_on}, which failed"))
                         else:
                             runnable.append(t)
                     if runnable:
+                        submitted += [t.name for t in runnable]
                         label = f"{study}-{time.strftime('%Y%m%d-%H%M%S')}-w{i}"
                         _run_wave(runnable, paths, cfg, trial_fn, forward, label)
         rows.update(forward.rows)
     finally:
         ordered = [rows.get(t.name) or failed_row(t, "sweep interrupted") for t in trials]
         failed = [r["trial"] for r in ordered if r.get("status") != "ok"]
-        result = SweepResult(study=study, rows=ordered, ran=[t.name for t in todo if t.name in forward.rows],
+        result = SweepResult(study=study, rows=ordered, ran=submitted,
                              skipped=skipped, failed_names=failed, metrics_path=paths.stepwise_metrics(study),
                              parent_run_id=parent_id)
         write_json_atomic(result.metrics_path, [_public(r) for r in ordered])

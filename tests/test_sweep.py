@@ -329,6 +329,7 @@ def test_failing_trial_fails_alone_and_blocks_its_children(ray_local, project):
     result = run_sweep(trials, project, trial_fn=quick_trial)
     assert result.exit_code == 1
     assert sorted(result.failed_names) == ["eagle3-lr0.0123", "hybrid-lr0.0123"]
+    assert sorted(result.ran) == ["eagle3-lr0.001", "eagle3-lr0.0123", "hybrid-lr0.001"]
     rows = {r["trial"]: r for r in json.loads(project.stepwise_metrics("adhoc").read_text())}
     assert rows["eagle3-lr0.001"]["status"] == "ok" and rows["hybrid-lr0.001"]["status"] == "ok"
     assert rows["eagle3-lr0.0123"]["status"] == "failed"
@@ -338,6 +339,7 @@ def test_failing_trial_fails_alone_and_blocks_its_children(ray_local, project):
     _, parents, children = _runs(project)
     status = {c.info.run_name: c.info.status for c in children}
     assert status["eagle3-lr0.0123"] == "FAILED" and status["eagle3-lr0.001"] == "FINISHED"
+    assert status["hybrid-lr0.0123"] == "FAILED" and status["hybrid-lr0.001"] == "FINISHED"
     assert parents[0].info.status == "FAILED"
     assert not (project.run_dir("adhoc", "eagle3-lr0.0123") / "result.json").exists()
 
