@@ -31,10 +31,8 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        dtype = x.dtype
-        x = x.float()
-        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * x.to(dtype)
+        # fused kernel, fp32 statistics; the output keeps the input dtype (bf16 under autocast)
+        return F.rms_norm(x.float(), (x.shape[-1],), self.weight.float(), self.eps).to(x.dtype)
 
 
 class MLP(nn.Module):
@@ -55,7 +53,7 @@ class KeyBlock:
     """Keys/values one query set attends to. Heads already expanded to the query heads.
 
     dense: k, v `[B, H, S, hd]`, mask `[B, 1|H, n, S]` bool or None (all visible).
-    diag:  k, v `[B, H, n, hd]`, one key per query.
+    diag:  k, v `[B, H, n, J, hd]`, J keys private to each query (its own chain in the TTT unroll).
     """
 
     k: torch.Tensor
@@ -70,35 +68,38 @@ def head_map(num_heads: int, num_kv_heads: int, device=None) -> torch.Tensor:
 
 
 def expand_heads(x: torch.Tensor, hmap: torch.Tensor) -> torch.Tensor:
-    """[B, Hkv, S, hd] -> [B, H, S, hd] following `hmap` (a no-op when Hkv == H and the map is the identity)."""
+    """[B, Hkv, ...] -> [B, H, ...] following `hmap` (a no-op when the map is the identity)."""
     if x.shape[1] == hmap.numel() and bool((hmap == torch.arange(hmap.numel(), device=hmap.device)).all()):
         return x
     return x.index_select(1, hmap.to(x.device))
 
 
 def attend(q: torch.Tensor, blocks: list[KeyBlock], scale: float | None = None) -> torch.Tensor:
-    """Joint-softmax attention of q `[B, H, n, hd]` over the union of `blocks`; returns `[B, H, n, hd]`."""
+    """Joint-softmax attention of q `[B, H, n, hd]` over the union of `blocks`; returns `[B, H, n, hd]`.
+
+    The scores of all blocks share one fp32 softmax (one fused pass over [n, S + J]); the dense part is a
+    matmul, the diag part an elementwise product, so nothing grows with the square of (blocks x n).
+    """
     if not blocks:
         raise ValueError("attend: no key blocks given")
     scale = q.shape[-1] ** -0.5 if scale is None else scale
     scores = []
+    qf = None
     for b in blocks:
         if b.diag:
-            s = (q.float() * b.k.float()).sum(-1, keepdim=True)
+            qf = q.float() if qf is None else qf
+            s = (qf.unsqueeze(-2) * b.k.float()).sum(-1).mul_(scale)
         else:
-            s = (q @ b.k.transpose(-1, -2)).float()
-        s = s * scale
+            s = (q @ b.k.transpose(-1, -2)).float().mul_(scale)
         if b.mask is not None:
-            s = s.masked_fill(~b.mask, NEG)
+            s = s.masked_fill_(~b.mask, NEG)
         scores.append(s)
-    # the max is only for stability: any per-row constant gives the same softmax, so no gradient through it
-    m = torch.stack([s.amax(-1) for s in scores], -1).amax(-1, keepdim=True).detach()
-    num = None
-    den = None
+    p = torch.softmax(scores[0] if len(scores) == 1 else torch.cat(scores, -1), -1)
+    out = None
+    off = 0
     for s, b in zip(scores, blocks):
-        e = torch.exp(s - m)
-        part = e * b.v.float() if b.diag else (e.to(b.v.dtype) @ b.v).float()
-        tot = e.sum(-1, keepdim=True)
-        num = part if num is None else num + part
-        den = tot if den is None else den + tot
-    return (num / den).to(q.dtype)
+        w = p[..., off:off + s.shape[-1]]
+        off += s.shape[-1]
+        part = (w.unsqueeze(-1) * b.v.float()).sum(-2) if b.diag else (w.to(b.v.dtype) @ b.v).float()
+        out = part if out is None else out + part
+    return out.to(q.dtype)

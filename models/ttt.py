@@ -54,18 +54,25 @@ class _TTTContext:
         self.target_kv, self.position_ids = target_kv, position_ids
         self.k = 0
         self.dense0: dict = {}
-        self.diag: dict = defaultdict(list)
+        self.diag: dict = {}
         self.prefix: dict = {}
         self.gates: dict = defaultdict(list)
+
+    def _chain(self, key, k, v) -> KeyBlock:
+        """Append this step's same-position key to the chain: one [B, H, T, J, hd] tensor, one diag block."""
+        k, v = k.unsqueeze(3), v.unsqueeze(3)
+        old = self.diag.get(key)
+        if old is not None:
+            k, v = torch.cat([old[0], k], 3), torch.cat([old[1], v], 3)
+        self.diag[key] = (k, v)
+        return KeyBlock(k, v, diag=True)
 
     def self_blocks(self, attn, k, v) -> list[KeyBlock]:
         K, V = expand_heads(k, attn.hmap), expand_heads(v, attn.hmap)
         if self.k == 0:
             self.dense0[attn.layer] = (K, V)
             return [KeyBlock(K, V, self.causal)]
-        chain = self.diag[(attn.layer, "self")]
-        chain.append((K, V))
-        return [KeyBlock(*self.dense0[attn.layer], self.causal)] + [KeyBlock(a, b, diag=True) for a, b in chain]
+        return [KeyBlock(*self.dense0[attn.layer], self.causal), self._chain((attn.layer, "self"), K, V)]
 
     def cross_blocks(self, attn, k, v) -> list[KeyBlock]:
         if attn.layer not in self.prefix:
@@ -74,9 +81,8 @@ class _TTTContext:
             cos, sin = self.drafter.rope_for_target(self.position_ids)
             pk, pv = attn.inject(self.target_kv, cos, sin)
             self.prefix[attn.layer] = (expand_heads(pk, attn.hmap), expand_heads(pv, attn.hmap))
-        chain = self.diag[(attn.layer, "cross")]
-        chain.append((expand_heads(k, attn.hmap), expand_heads(v, attn.hmap)))
-        return [KeyBlock(*self.prefix[attn.layer], self.causal)] + [KeyBlock(a, b, diag=True) for a, b in chain]
+        chain = self._chain((attn.layer, "cross"), expand_heads(k, attn.hmap), expand_heads(v, attn.hmap))
+        return [KeyBlock(*self.prefix[attn.layer], self.causal), chain]
 
     def record_gate(self, layer: int, g: torch.Tensor) -> None:
         self.gates[layer].append(g.detach().float().mean())

@@ -3,7 +3,6 @@ import pytest
 import torch
 
 import models.layers as layers
-import models.ttt as ttt_mod
 from models.ttt import ttt_unroll
 from tests.drafter_helpers import VARIANT_GRID, capture, make_drafter, naive_logits, tiny
 
@@ -35,16 +34,19 @@ def test_parallel_unroll_equals_naive_reference(setup, spec):
 
 
 def test_no_dense_unrolled_mask(monkeypatch):
-    """Every score matrix is at most T wide and the same-position keys come as diag blocks."""
+    """Dense score matrices are at most T x T; the same-position keys come as diag blocks of <= K keys each."""
     tgt = tiny("llama")
     T = 48
     ids, feats, kv, logits = capture(tgt, B=1, T=T)
-    seen = []
+    dense, diag = [], []
     real = layers.attend
 
     def spy(q, blocks, scale=None):
         for b in blocks:
-            seen.append((b.diag, b.k.shape[-2], None if b.mask is None else tuple(b.mask.shape)))
+            if b.diag:
+                diag.append(tuple(b.k.shape))
+            else:
+                dense.append((b.k.shape[-2], None if b.mask is None else tuple(b.mask.shape)))
         return real(q, blocks, scale)
 
     monkeypatch.setattr("models.drafter.attend", spy)
@@ -52,10 +54,11 @@ def test_no_dense_unrolled_mask(monkeypatch):
         d = make_drafter(tgt, variant=variant)
         with torch.no_grad():
             ttt_unroll(d, ids, torch.ones_like(ids), features=feats, target_kv=kv, target_logits=logits, steps=7)
-    assert seen
-    assert max(width for _, width, _ in seen) == T
-    assert all(mask is None or mask[-1] <= T for _, _, mask in seen)
-    assert sum(diag for diag, _, _ in seen) >= 6          # steps 1..6 of the self branch at least
+    assert dense and diag
+    assert max(width for width, _ in dense) == T
+    assert all(mask is None or mask[-2:] == (T, T) for _, mask in dense)
+    assert all(shape[2] == T and shape[3] <= 7 for shape in diag)
+    assert max(shape[3] for shape in diag) == 7           # the cross branch's chain: steps 0..6
 
 
 def test_right_padding_does_not_change_real_positions():
