@@ -225,6 +225,28 @@ def _short(key: str) -> str:
     return key.rsplit(".", 1)[-1]
 
 
+def _print_table(console: Console, table: Table) -> None:
+    """Print at the table's natural width when the output is not a terminal (logs, pipes), so nothing folds."""
+    from rich.measure import Measurement
+
+    natural = Measurement.get(console, console.options.update_width(1000), table).maximum
+    if console.is_terminal or natural <= console.width:
+        console.print(table)
+        return
+    saved = console._width   # rich caps print(width=) at the console width, so widen the console briefly
+    console.width = natural
+    try:
+        console.print(table)
+    finally:
+        console._width = saved
+
+
+def _name_columns(table: Table, trials: list[Trial]) -> None:
+    """Trial and variant columns wide enough that names never wrap (other columns give way)."""
+    table.add_column("trial", style="bold", no_wrap=True, min_width=max((len(t.name) for t in trials), default=5))
+    table.add_column("variant", no_wrap=True, min_width=max((len(t.variant) for t in trials), default=7))
+
+
 def _lookup(cfg: Config, dotted: str) -> Any:
     node: Any = cfg
     for part in dotted.split("."):
@@ -242,8 +264,7 @@ def show_plan(trials: list[Trial], console: Console | None = None, paths: Paths 
     study = trials[0].study if trials else ADHOC
     table = Table(title=f"sweep {study}: {len(trials)} trials", title_justify="left")
     table.add_column("#", justify="right")
-    table.add_column("trial", style="bold", overflow="fold")
-    table.add_column("variant", overflow="fold")
+    _name_columns(table, trials)
     shown = [k for k in keys if k != VARIANT]
     for k in shown:
         table.add_column(_short(k), overflow="fold")
@@ -265,7 +286,7 @@ def show_plan(trials: list[Trial], console: Console | None = None, paths: Paths 
         if paths is not None:
             cells.append("done" if cached_result(t, paths) else "to run")
         table.add_row(*cells)
-    console.print(table)
+    _print_table(console, table)
     return table
 
 
@@ -592,8 +613,7 @@ def show_summary(result: SweepResult, trials: list[Trial], console: Console | No
     keys = [k for k in varying_keys(trials) if k != VARIANT]
     table = Table(title=f"sweep {result.study}: {len(result.ran)} ran, {len(result.skipped)} reused, "
                         f"{result.failed} failed", title_justify="left")
-    table.add_column("trial", style="bold", overflow="fold")
-    table.add_column("variant", overflow="fold")
+    _name_columns(table, trials)
     for k in keys:
         table.add_column(_short(k), overflow="fold")
     for col in ("α_0", "α_6", "MAT", "retention", "status", "wall s"):
@@ -613,7 +633,7 @@ def show_summary(result: SweepResult, trials: list[Trial], console: Console | No
                       _fmt(alpha[0] if alpha else None), _fmt(alpha[6] if len(alpha) > 6 else None),
                       _fmt(row.get("mat")), _fmt(row.get("retention")), status,
                       f"{row['wall_s']:.1f}" if isinstance(row.get("wall_s"), (int, float)) else "–")
-    console.print(table)
+    _print_table(console, table)
     for line in errors:
         console.print(line, highlight=False)
     return table
