@@ -41,7 +41,7 @@ from rich.table import Table
 from pipeline.config import Config, ConfigError, resolve_key, with_values
 from pipeline.fingerprint import HashCache, data_hashes, fingerprint
 from pipeline.trial import (Trial, TrialFn, base_row, cached_result, evaluate_runs, execute, failed_row,
-                            needs_parent, prepare_run_dir, run_trial, train_trial)
+                            json_safe, needs_parent, prepare_run_dir, run_trial, train_trial)
 from stages.common import Paths, Report, write_json_atomic
 
 ADHOC = "adhoc"
@@ -399,6 +399,7 @@ class _Forward:
         self.commit, self.console = commit, console
         self.run_ids: dict[str, str] = {}
         self.rows: dict[str, dict] = {}
+        self.reported: dict[str, set[str]] = {}   # metric keys a trial sent live, per trial
 
     def start(self, name: str, announce: bool = True) -> None:
         from pipeline.config import flatten
@@ -419,6 +420,7 @@ class _Forward:
             self.start(name)
         run_id = self.run_ids.get(name)
         if msg["kind"] == "metrics" and run_id:
+            self.reported.setdefault(name, set()).update(msg["metrics"])
             self.tracker.log_metrics(run_id, msg["metrics"], msg.get("step"))
         elif msg["kind"] == "done":
             self.finish(name, msg["row"], msg.get("checkpoint_config"))
@@ -435,7 +437,7 @@ class _Forward:
         if run_id is None:
             return
         if ok:
-            self.tracker.log_row(run_id, row)
+            self.tracker.log_row(run_id, row, skip=self.reported.get(name, set()))
             if checkpoint_config:
                 self.tracker.log_dict(run_id, checkpoint_config, "config.json")
         else:
@@ -600,7 +602,7 @@ def run_sweep(trials: list[Trial], paths: Paths, trial_fn: TrialFn = run_trial, 
 
 def _public(row: dict) -> dict:
     """A row as written to metrics/stepwise/<study>.json (the traceback stays in MLflow)."""
-    return {k: v for k, v in row.items() if k != "traceback"}
+    return json_safe({k: v for k, v in row.items() if k != "traceback"})
 
 
 def _fmt(v: Any) -> str:
@@ -664,6 +666,6 @@ def evaluate_study(cfg: Config, study: str, paths: Paths, report: Report) -> lis
         raise ConfigError(f"study {study!r}: no trained drafters under runs/{study}/ (run `kvshot train` or "
                           f"`kvshot sweep --study {study}` first)")
     rows = evaluate_runs(cfg, run_dirs, paths, report)
-    out = [{**r, "study": study, "status": r.get("status", "ok")} for r in rows]
+    out = [json_safe({**r, "study": study, "status": r.get("status", "ok")}) for r in rows]
     write_json_atomic(paths.stepwise_metrics(study), out)
     return out

@@ -157,16 +157,20 @@ class Tracker:
         if batch:
             _retry(lambda: self.client.log_batch(run_id, metrics=batch))
 
-    def log_row(self, run_id: str, row: dict) -> None:
-        """A trial's step-wise result: α_k and acc_k as curves (step=k), MAT and retention, an α_k plot."""
+    def log_row(self, run_id: str, row: dict, skip: set[str] | frozenset = frozenset()) -> None:
+        """A trial's step-wise result: α_k and acc_k as curves (step=k), MAT and retention, an α_k plot.
+
+        Metrics in `skip` were already reported live by the stage (same values) and are not logged twice."""
         for name in ("alpha", "acc"):
-            for k, v in enumerate(row.get(name) or []):
-                self.log_metrics(run_id, {name: v}, step=k)
-        self.log_metrics(run_id, {k: row.get(k) for k in ("mat", "retention", "wall_s")})
+            if name not in skip:
+                for k, v in enumerate(row.get(name) or []):
+                    self.log_metrics(run_id, {name: v}, step=k)
+        self.log_metrics(run_id, {k: row.get(k) for k in ("mat", "retention", "wall_s") if k not in skip})
         alpha = row.get("alpha") or []
         if alpha:
             self.log_metrics(run_id, {f"alpha_{k}": v for k, v in enumerate(alpha)})
-            _retry(lambda: self.client.log_figure(run_id, alpha_figure({row.get("trial", "trial"): alpha}),
+            curve = [a if a is not None else float("nan") for a in alpha]
+            _retry(lambda: self.client.log_figure(run_id, alpha_figure({row.get("trial", "trial"): curve}),
                                                   "alpha.png"))
 
     def log_dict(self, run_id: str, obj: dict, name: str) -> None:

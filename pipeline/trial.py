@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import inspect
 import json
+import math
 import shutil
 import time
 import traceback
@@ -83,6 +84,17 @@ def prepare_run_dir(trial: Trial, paths: Paths) -> Path:
     return run_dir
 
 
+def json_safe(obj: Any) -> Any:
+    """NaN and infinities (an α_k with no valid position) as null, so the files stay strict JSON."""
+    if isinstance(obj, float) and not math.isfinite(obj):
+        return None
+    if isinstance(obj, dict):
+        return {k: json_safe(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return [json_safe(v) for v in obj]
+    return obj
+
+
 def base_row(trial: Trial) -> dict:
     """The identifying columns of a stepwise row (DESIGN §10), before any metric is known."""
     d, t = trial.config.drafter, trial.config.train
@@ -139,12 +151,6 @@ def _call(fn: Callable, *args: Any, required: tuple[str, ...] = (), **kwargs: An
     return fn(*args, **accepted)
 
 
-def _prefixed(report: Report, prefix: str) -> Report:
-    def send(metrics: dict[str, float], step: int | None = None) -> None:
-        report({f"{prefix}{k}": v for k, v in metrics.items()}, step)
-    return send
-
-
 def train_trial(trial: Trial, paths: Paths, report: Report) -> Path:
     """Train the trial's drafter into its run directory (a ckpt-initialised child loads its parent's run)."""
     from stages import train
@@ -167,9 +173,10 @@ def evaluate_runs(cfg: Any, run_dirs: list[Path], paths: Paths, report: Report) 
 
 
 def run_trial(trial: Trial, paths: Paths, report: Report) -> dict:
-    """The default trial: train, then evaluate; training curves are reported as-is, eval metrics as `eval/…`."""
+    """The default trial: train, then evaluate. Both report through `report`: training curves by optimizer step,
+    then α_k / acc_k by speculative step k (`alpha`, `acc`), MAT and retention."""
     run_dir = train_trial(trial, paths, report)
-    rows = evaluate_runs(trial.config, [run_dir], paths, _prefixed(report, "eval/"))
+    rows = evaluate_runs(trial.config, [run_dir], paths, report)
     if len(rows) != 1:
         raise RuntimeError(f"evaluate returned {len(rows)} rows for one run directory {run_dir.name}")
     return rows[0]
