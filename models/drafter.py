@@ -254,6 +254,7 @@ class DecoderLayer(nn.Module):
             h = torch.cat([self.input_layernorm(emb), self.hidden_norm(x)], -1)
         else:
             h = self.input_layernorm(x)
+        h = _compute_dtype(h)       # cast once here, not once per projection
         if self.hybrid:
             n = self.self_attn(h, cos, sin, ctx)
             if self.gate_override == 0.0:
@@ -273,6 +274,14 @@ class DecoderLayer(nn.Module):
             a = self.cross_attn(h, cos, sin, ctx)
         x = residual + a
         return x + self.mlp(self.post_attention_layernorm(x))
+
+
+def _compute_dtype(x: torch.Tensor) -> torch.Tensor:
+    """x in the autocast dtype when autocast is on (activations then stay bf16 between the matmuls)."""
+    dev = x.device.type
+    if torch.is_autocast_enabled(dev):
+        return x.to(torch.get_autocast_dtype(dev))
+    return x
 
 
 # -- the incremental cache ------------------------------------------------------------------------------------
@@ -473,7 +482,7 @@ class Drafter(nn.Module):
     def forward_hidden(self, input_ids: torch.Tensor, hidden_in: torch.Tensor | None, positions: torch.Tensor,
                        ctx) -> torch.Tensor:
         """One pass of the layers for n entries, keys supplied by `ctx` (TTT or step); returns hidden [B, n, d]."""
-        emb = self.embed_tokens(input_ids)
+        emb = _compute_dtype(self.embed_tokens(input_ids))
         if self.config.uses_features:
             if hidden_in is None:
                 raise ValueError(f"drafter variant {self.config.variant!r}: hidden_in is required")

@@ -31,8 +31,9 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        # fused kernel, fp32 statistics; the output keeps the input dtype (bf16 under autocast)
-        return F.rms_norm(x.float(), (x.shape[-1],), self.weight.float(), self.eps).to(x.dtype)
+        # the statistic in fp32 without an fp32 copy of x; the output keeps x's dtype (bf16 under autocast)
+        ms = torch.linalg.vector_norm(x, dim=-1, keepdim=True, dtype=torch.float32).pow(2) / x.shape[-1]
+        return x * torch.rsqrt(ms + self.eps).to(x.dtype) * self.weight.to(x.dtype)
 
 
 class MLP(nn.Module):

@@ -18,7 +18,6 @@ Inputs are plain tensors so the train stage can feed the offline cache or an onl
 """
 from __future__ import annotations
 
-from collections import defaultdict
 from dataclasses import dataclass
 
 import torch
@@ -56,7 +55,7 @@ class _TTTContext:
         self.dense0: dict = {}
         self.diag: dict = {}
         self.prefix: dict = {}
-        self.gates: dict = defaultdict(list)
+        self.gates: dict = {}
 
     def _chain(self, key, k, v) -> KeyBlock:
         """Append this step's same-position key to the chain: one [B, H, T, J, hd] tensor, one diag block."""
@@ -85,7 +84,7 @@ class _TTTContext:
         return [KeyBlock(*self.prefix[attn.layer], self.causal), chain]
 
     def record_gate(self, layer: int, g: torch.Tensor) -> None:
-        self.gates[layer].append(g.detach().float().mean())
+        self.gates.setdefault(layer, []).append(g.detach().float().mean())
 
 
 class _SoftCrossEntropy(torch.autograd.Function):
@@ -202,7 +201,7 @@ def ttt_unroll(drafter: Drafter, input_ids: torch.Tensor, loss_mask: torch.Tenso
         else:
             z = drafter.head(h.reshape(B * T, -1)[idx])
         n = idx.numel()
-        loss_k = soft_cross_entropy(z, probs[rows]).sum() / max(n, 1)
+        loss_k = soft_cross_entropy(z, probs.index_select(0, rows)).sum() / max(n, 1)
         correct = torch.zeros(B * T, dtype=torch.bool, device=dev)
         correct[idx] = z.detach().max(-1).indices == tgt[rows]
         valids.append(valid.reshape(-1))
