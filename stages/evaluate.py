@@ -89,16 +89,22 @@ def evaluate_drafter(model, source, lm_head_weight: torch.Tensor, steps: int, ba
 
 def open_eval_source(params: EvalParams, paths: Paths, target, *, data: Any = None, features: Any = None):
     """The held-out conversations: `params.data` (a JSONL, run through the target here) or the eval cache."""
-    from stages.train import OnlineSource
+    from stages.feature_cache import OnlineFeatures
+    from stages.train import ReaderSource, open_cache
 
     if params.data:
-        rows = read_conversations(Path(params.data))
-        convs = tokenize_rows(rows[:params.max_conversations], target, params.max_len, str(params.data))
-        return OnlineSource(target, convs, max_len=params.max_len)
-    cache = paths.features(EVAL_SPLIT)
-    if not (cache / "index.json").is_file():
-        raise StageError(f"eval: no held-out feature cache at {cache} (run `kvshot features`, or give eval.data=PATH)")
-    raise StageError("eval: feature cache reader not available yet")
+        path = Path(params.data)
+        rows = read_conversations(path)[:params.max_conversations]
+        if target.tokenizer is None:
+            raise StageError(f"eval.data={path}: the target {target.name!r} has no tokenizer")
+        reader = OnlineFeatures.from_conversations(rows, target, params.max_len)
+        if len(reader) == 0:
+            raise StageError(f"eval.data={path}: no conversation has an assistant token within {params.max_len} "
+                             "tokens")
+        return ReaderSource(reader)
+    online = features is not None and not getattr(features, "offline", True)
+    return open_cache(paths.features(EVAL_SPLIT), target, "eval", online=online, limit=params.max_conversations,
+                      max_len=params.max_len)
 
 
 def read_conversations(path: Path) -> list[dict]:
@@ -118,10 +124,6 @@ def read_conversations(path: Path) -> list[dict]:
     return rows
 
 
-def tokenize_rows(rows: list[dict], target, max_len: int, what: str) -> list[tuple[list[int], list[bool]]]:
-    raise StageError(f"eval.data={what}: tokenisation not available yet")
-
-
 # -- the stage ---------------------------------------------------------------------------------------------------
 
 def row_for(run_dir: Path, config: dict, counts, steps: int, positions: int) -> dict:
@@ -136,7 +138,7 @@ def row_for(run_dir: Path, config: dict, counts, steps: int, positions: int) -> 
             "rope_fix": d.get("rope_fix", config["drafter"].get("rope_fix")), "init": d.get("init"),
             "scale": t.get("scale"), "seed": t.get("seed"), "steps": steps,
             "alpha": s["alpha"], "acc": s["acc"], "mat": s["mat"], "retention": s["retention"],
-            "n_positions": positions, "counts": counts.to_dict(), "run_dir": str(run_dir)}
+            "n_positions": positions, "counts": counts.to_dict()}
 
 
 def run(params: EvalParams, run_dirs: list[Path], paths: Paths, report: Report, *, target: TargetParams,

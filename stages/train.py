@@ -99,6 +99,12 @@ class TargetBatch:
     last_hidden: torch.Tensor                      # [B, T, d] final norm applied (target logits via lm_head)
     kv: list[tuple[torch.Tensor, torch.Tensor]]    # per kv layer (K, V) [B, Hkv, T, hd], post-RoPE
 
+    @classmethod
+    def from_features(cls, fb) -> "TargetBatch":
+        """From the feature reader's batch (stages.feature_cache.FeatureBatch)."""
+        return cls(fb.input_ids, fb.loss_mask.bool(), fb.attention_mask.bool(), fb.concat_features,
+                   fb.last_hidden, list(fb.kv))
+
     @property
     def tokens(self) -> int:
         return int(self.attention_mask.sum())
@@ -110,6 +116,13 @@ class TargetBatch:
         return TargetBatch(f(self.input_ids), f(self.loss_mask), f(self.attention_mask), f(self.features),
                            f(self.last_hidden), [(f(k), f(v)) for k, v in self.kv])
 
+    def truncate(self, max_len: int) -> "TargetBatch":
+        if self.input_ids.shape[1] <= max_len:
+            return self
+        return TargetBatch(self.input_ids[:, :max_len], self.loss_mask[:, :max_len],
+                           self.attention_mask[:, :max_len], self.features[:, :max_len],
+                           self.last_hidden[:, :max_len], [(k[:, :, :max_len], v[:, :, :max_len]) for k, v in self.kv])
+
 
 class TargetSource(Protocol):
     """A set of tokenised conversations with target information, addressable by index."""
@@ -119,43 +132,83 @@ class TargetSource(Protocol):
     def token_counts(self, vocab_size: int) -> torch.Tensor: ...    # loss-masked token frequencies [V]
 
 
-def pad_right(seqs: list[torch.Tensor], value: int | bool) -> torch.Tensor:
-    T = max(len(s) for s in seqs)
-    out = torch.full((len(seqs), T), value, dtype=seqs[0].dtype)
-    for i, s in enumerate(seqs):
-        out[i, :len(s)] = s
-    return out
+class ReaderSource:
+    """A feature reader (offline cache or online target, stages.feature_cache) seen as a TargetSource.
 
+    `limit` keeps the first conversations of the reader's order, `max_len` truncates each batch.
+    """
 
-class OnlineSource:
-    """Runs the target on tokenised conversations as batches are asked for (DESIGN §6, required at scale)."""
-
-    def __init__(self, target, conversations: list[tuple[list[int], list[bool]]], max_len: int | None = None):
-        if not conversations:
-            raise StageError("online target source: no conversations")
-        self.target = target
-        self.seqs = [(torch.tensor(ids[:max_len], dtype=torch.long), torch.tensor(mask[:max_len], dtype=torch.bool))
-                     for ids, mask in conversations]
+    def __init__(self, reader, counts: torch.Tensor | None = None, limit: int | None = None,
+                 max_len: int | None = None):
+        self.reader, self.counts, self.max_len = reader, counts, max_len
+        self.n = len(reader) if limit is None else min(limit, len(reader))
 
     def __len__(self) -> int:
-        return len(self.seqs)
+        return self.n
+
+    def batch(self, indices: list[int]) -> TargetBatch:
+        b = TargetBatch.from_features(self.reader.batch(indices))
+        return b.truncate(self.max_len) if self.max_len else b
 
     def token_counts(self, vocab_size: int) -> torch.Tensor:
         from models.vocab import count_tokens
 
+        if self.counts is not None:
+            return self.counts
         counts = torch.zeros(vocab_size, dtype=torch.long)
-        for ids, mask in self.seqs:
+        for i in range(self.n):
+            ids, mask = self.reader.tokens(i)
             counts = count_tokens(ids, mask, vocab_size, counts)
         return counts
 
-    @torch.no_grad()
-    def batch(self, indices: list[int]) -> TargetBatch:
-        ids = pad_right([self.seqs[i][0] for i in indices], 0)
-        loss_mask = pad_right([self.seqs[i][1] for i in indices], False)
-        attn = pad_right([torch.ones(len(self.seqs[i][0]), dtype=torch.bool) for i in indices], False)
-        cap = self.target.capture(ids, attention_mask=attn.long().to(self.target.device))
-        return TargetBatch(ids, loss_mask, attn, torch.cat(cap.features, -1), cap.last_hidden,
-                           [(k, v) for k, v in cap.kv])
+
+def online_source(target, conversations: list[tuple[list[int], list[bool]]], max_len: int | None = None,
+                 ids: list[str] | None = None) -> ReaderSource:
+    """Tokenised conversations (input ids, loss mask) run through `target` batch by batch."""
+    from stages.feature_cache import OnlineFeatures
+
+    if not conversations:
+        raise StageError("online target source: no conversations")
+    tokens = [(torch.tensor(i[:max_len], dtype=torch.long), torch.tensor(m[:max_len], dtype=torch.bool))
+              for i, m in conversations]
+    return ReaderSource(OnlineFeatures(target, tokens, ids or [str(n) for n in range(len(tokens))]))
+
+
+def check_cache_target(index: dict, target, where: Path) -> None:
+    """A cache extracted from another target (or other layers) would train on the wrong features."""
+    info = index.get("target", {})
+    want = {"hidden_size": target.hidden_size, "vocab_size": target.vocab_size, "num_layers": target.num_layers,
+            "feature_layers": target.feature_layers, "kv_layers": target.kv_layers}
+    bad = {k: (info[k], v) for k, v in want.items() if k in info and info[k] != v}
+    if bad:
+        k, (got, exp) = next(iter(bad.items()))
+        raise StageError(f"{where}: feature cache was extracted with {k}={got}, the target has {exp} "
+                         "(re-run `kvshot features`)")
+
+
+def open_cache(directory: Path, target, what: str, online: bool = False, limit: int | None = None,
+               max_len: int | None = None) -> ReaderSource:
+    """The feature cache in `directory` as a source; online (or a tokens-only cache) runs the target here."""
+    from stages.feature_cache import open_features, read_index, token_frequencies
+
+    if not (Path(directory) / "index.json").is_file():
+        raise StageError(f"{what}: no feature cache at {directory} (run `kvshot features` first)")
+    index = read_index(directory)
+    check_cache_target(index, target, directory)
+    online = online or not index.get("offline", True)
+    reader = open_features(directory, target=target if online else None)
+    if len(reader) == 0:
+        raise StageError(f"{what}: the feature cache at {directory} holds no conversations")
+    counts = token_frequencies(directory, target.vocab_size) if limit is None else None
+    return ReaderSource(reader, counts, limit=limit, max_len=max_len)
+
+
+def open_source(params: TrainParams, paths: Paths, target, *, data: Any = None, features: Any = None) -> TargetSource:
+    """Batches for scale `params.scale`: the offline feature cache, or the target run online on its tokens."""
+    if data is not None and params.scale not in data.scales:
+        raise StageError(f"train.scale={params.scale!r}: not a data scale; choices: {', '.join(data.scales)}")
+    online = params.online or (features is not None and not getattr(features, "offline", True))
+    return open_cache(paths.features(params.scale), target, f"train.scale={params.scale!r}", online=online)
 
 
 # -- the drafter -------------------------------------------------------------------------------------------------
@@ -346,13 +399,3 @@ def step_metrics(out, window, loss: float, lr: float, grad_norm: float, tokens_p
         m[f"gate_{layer}"] = g
     return m
 
-
-def open_source(params: TrainParams, paths: Paths, target, *, data: Any = None, features: Any = None) -> TargetSource:
-    """Batches for scale `params.scale`: the offline feature cache, or the target run online."""
-    online = params.online or (features is not None and not getattr(features, "offline", True))
-    cache = paths.features(params.scale)
-    if online:
-        raise StageError("train.online=true: not available yet")
-    if not (cache / "index.json").is_file():
-        raise StageError(f"train.scale={params.scale!r}: no feature cache at {cache} (run `kvshot features` first)")
-    raise StageError("feature cache reader not available yet")

@@ -12,7 +12,7 @@ from models.metrics import mat, step_counts
 from stages import checkpoint as ckpt
 from stages.common import Paths, StageError, TargetParams
 from stages.evaluate import EvalParams, run, stepwise_masks, write_stepwise
-from stages.train import DrafterParams, OnlineSource, TrainParams
+from stages.train import DrafterParams, online_source, TrainParams
 from stages.train import run as train_run
 from test_train import Log, conversations, peaked_target
 
@@ -26,7 +26,7 @@ def target():
 def trained(tmp_path_factory, target):
     """Two short training runs (eagle3, kv_only) sharing one training set."""
     root = tmp_path_factory.mktemp("runs")
-    src = OnlineSource(target, conversations(n=4))
+    src = online_source(target, conversations(n=4))
     dirs = []
     for variant in ("eagle3", "kv_only"):
         d = root / variant
@@ -39,7 +39,7 @@ def trained(tmp_path_factory, target):
 
 @pytest.fixture(scope="module")
 def held_out(target):
-    return OnlineSource(target, conversations(n=3, T=14, seed=1))
+    return online_source(target, conversations(n=3, T=14, seed=1))
 
 
 def test_rows_have_alpha_acc_mat_retention(tmp_path, target, trained, held_out):
@@ -92,7 +92,7 @@ def test_bad_inputs_are_one_line_stage_errors(tmp_path, target, trained, held_ou
         run(EvalParams(), [tmp_path / "missing"], Paths(tmp_path), Log(), target=TargetParams(), source=held_out,
             loaded_target=target)
     assert "\n" not in str(e.value)
-    with pytest.raises(StageError, match="no held-out feature cache") as e:
+    with pytest.raises(StageError, match="eval: no feature cache") as e:
         run(EvalParams(), trained, Paths(tmp_path), Log(), target=TargetParams(), loaded_target=target)
     assert "\n" not in str(e.value)
     bad = tmp_path / "bad.jsonl"
