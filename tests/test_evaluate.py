@@ -12,7 +12,7 @@ from models.metrics import mat, step_counts
 from stages import checkpoint as ckpt
 from stages.common import Paths, StageError, TargetParams
 from stages.evaluate import EvalParams, run, stepwise_masks, write_stepwise
-from stages.train import DrafterParams, online_source, TrainParams
+from stages.train import DrafterParams, TrainParams, online_source
 from stages.train import run as train_run
 from test_train import Log, conversations, peaked_target
 
@@ -100,3 +100,48 @@ def test_bad_inputs_are_one_line_stage_errors(tmp_path, target, trained, held_ou
     with pytest.raises(StageError, match="no assistant turn") as e:
         run(EvalParams(data=str(bad)), trained, Paths(tmp_path), Log(), target=TargetParams(), loaded_target=target)
     assert "\n" not in str(e.value)
+
+
+def test_eval_data_jsonl_runs_the_target_on_any_conversations(tmp_path, embedded_tokenizer):
+    """eval.data=PATH: conversations in the DESIGN §10 schema, tokenised with the target's chat template."""
+    from models.target import tiny_target
+    from stages.features import tokenize_conversation
+
+    tgt = tiny_target("llama", num_layers=6, hidden_size=48, num_heads=6, num_kv_heads=2,
+                      vocab_size=len(embedded_tokenizer), tokenizer=embedded_tokenizer)
+    run_dir = tmp_path / "runs" / "eagle3"
+    train_run(DrafterParams(variant="eagle3", draft_vocab_size=64), TrainParams(max_steps=1, precision="fp32"),
+              run_dir, Paths(tmp_path), Log(), target=TargetParams(),
+              source=online_source(tgt, conversations(n=2)), loaded_target=tgt)
+    rows = [{"id": "a", "source": "mine", "messages": [{"role": "user", "content": "Name three colours."},
+                                                        {"role": "assistant", "content": "Red, green and blue."}]},
+            {"id": "b", "source": "mine", "messages": [{"role": "system", "content": "Be brief."},
+                                                        {"role": "user", "content": "2+2?"},
+                                                        {"role": "assistant", "content": "Four."}]}]
+    path = tmp_path / "mine.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    log = Log()
+    out = run(EvalParams(data=str(path)), [run_dir], Paths(tmp_path), log, target=TargetParams(), loaded_target=tgt)
+    masks = [tokenize_conversation(embedded_tokenizer, r["messages"])[1] for r in rows]
+    assert len(out) == 1 and len(out[0]["alpha"]) == 7
+    assert out[0]["n_positions"] == sum(sum(m[2:]) for m in masks) > 0
+    one = run(EvalParams(data=str(path), max_conversations=1), [run_dir], Paths(tmp_path), Log(),
+              target=TargetParams(), loaded_target=tgt)
+    assert one[0]["n_positions"] == sum(masks[0][2:])
+
+
+def test_reads_the_eval_feature_cache(tmp_path, target, trained):
+    from test_train import write_cache
+
+    convs = conversations(n=3, T=14, seed=1)
+    write_cache(tmp_path / "data" / "features" / "eval", target, convs, name="eval")
+    paths = Paths(tmp_path)
+    rows = run(EvalParams(), trained[:1], paths, Log(), target=TargetParams(), loaded_target=target)
+    assert rows[0]["n_positions"] == sum(sum(m[2:]) for _, m in convs)
+    # the same conversations run online give the same counts (fp32 cache)
+    online = run(EvalParams(), trained[:1], paths, Log(), target=TargetParams(), loaded_target=target,
+                 source=online_source(target, convs))
+    assert online[0]["counts"] == rows[0]["counts"]
+    few = run(EvalParams(max_conversations=2, max_len=10), trained[:1], paths, Log(), target=TargetParams(),
+              loaded_target=target)
+    assert few[0]["n_positions"] == sum(sum(m[2:10]) for _, m in convs[:2])
