@@ -119,9 +119,9 @@ def execute(trial: Trial, paths: Paths, report: Report, trial_fn: TrialFn) -> di
         row = trial_fn(trial, paths, report)
         if not isinstance(row, dict):
             raise TypeError(f"trial function returned {type(row).__name__}, expected a result row dict")
-        row = {**base_row(trial), **row, "trial": trial.name, "study": trial.study,
-               "fingerprint": trial.fingerprint, "status": "ok", "error": None,
-               "wall_s": round(time.perf_counter() - start, 3)}
+        row = json_safe({**base_row(trial), **row, "trial": trial.name, "study": trial.study,
+                         "fingerprint": trial.fingerprint, "status": "ok", "error": None,
+                         "wall_s": round(time.perf_counter() - start, 3)})
         write_json_atomic(run_dir / RESULT_FILE, row)
         return row
     except BaseException as exc:  # noqa: BLE001 - a trial's failure is data for the sweep, not a crash

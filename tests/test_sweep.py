@@ -238,6 +238,8 @@ def quick_trial(trial, paths, report):
         raise RuntimeError("planned failure")
     alpha = [round(0.8 * (1 - 0.05 * d) ** k, 4) for k in range(7)]
     mat = 1 + sum(__import__("math").prod(alpha[: i + 1]) for i in range(7))
+    if trial.config.drafter.variant == "hybrid":
+        alpha[6] = float("nan")                  # no chain reached step 6: undefined, written as null
     if d == 2:                                   # like the evaluate stage: curves sent live are not logged twice
         for k, a in enumerate(alpha):
             report({"alpha": a, "acc": a}, k)
@@ -347,6 +349,14 @@ def test_failing_trial_fails_alone_and_blocks_its_children(ray_local, project):
     assert status["hybrid-lr0.0123"] == "FAILED" and status["hybrid-lr0.001"] == "FINISHED"
     assert parents[0].info.status == "FAILED"
     assert not (project.run_dir("adhoc", "eagle3-lr0.0123") / "result.json").exists()
+
+    def strict(text):
+        return json.loads(text, parse_constant=lambda c: pytest.fail(f"{c} in a JSON file"))
+
+    ok = strict((project.run_dir("adhoc", "hybrid-lr0.001") / "result.json").read_text())
+    assert ok["alpha"][6] is None and ok["retention"] is None
+    stepwise = {r["trial"]: r for r in strict(project.stepwise_metrics("adhoc").read_text())}
+    assert stepwise["hybrid-lr0.001"]["alpha"][6] is None
 
 
 KILL_SCRIPT = """
