@@ -184,10 +184,29 @@ def sweep(overrides: Optional[list[str]] = OverridesArg, profile: Optional[str] 
             return
         check_hardware(cfg)
         cache = os.environ.get("KVSHOT_MODEL_CACHE")
-        result = runner.run_sweep(trials, Paths(root=rootp, cache=Path(cache) if cache else None))
+        paths = Paths(root=rootp, cache=Path(cache) if cache else None)
+        result = runner.run_sweep(trials, paths)
+        write_curves(paths, trials[0].study if trials else (study or "adhoc"))
         if result.failed:
             _fail(f"{result.failed} of {len(trials)} trials failed: {', '.join(result.failed_names)}")
     _guarded(body, f"sweep:{study or 'adhoc'}")
+
+
+def write_curves(paths, study: str) -> None:
+    """α_k/acc_k vs k as flat records, one per (trial, k): what `dvc plots show` draws for a study."""
+    import json
+
+    from stages.common import write_json_atomic
+
+    src = paths.stepwise_metrics(study)
+    if not src.is_file():
+        return
+    records = []
+    for row in json.loads(src.read_text()):
+        for k, alpha in enumerate(row.get("alpha") or []):
+            acc = (row.get("acc") or [None] * (k + 1))[k]
+            records.append({"trial": row["trial"], "k": k, "alpha": alpha, "acc": acc})
+    write_json_atomic(paths.root / "metrics" / "curves" / f"{study}.json", records)
 
 
 @app.command()
