@@ -1,11 +1,22 @@
-"""e2e: lossless tree speculative decoding with trained drafters: tau, tokens/s, speedup -> metrics/e2e.json."""
+"""e2e: lossless tree speculative decoding with trained drafters: tau, tokens/s, speedup -> metrics/e2e.json.
+
+For each trained drafter: the fastest of `tree_candidates` (picked on the first prompts) and the paper's tree are
+decoded over every prompt; plain greedy `generate` on the same prompts, in the same run, is the speedup reference.
+Every output is checked against plain greedy: in fp32 it must be identical; in bf16 it may leave greedy only at a
+near-tie (top-2 logit gap <= tie_tolerance).
+"""
 from __future__ import annotations
 
-from typing import Literal
+from pathlib import Path
+from typing import Any, Literal
 
 from pydantic import Field
 
-from stages.common import Paths, Report, Section
+from stages.common import Paths, Report, Section, StageError, TargetParams, load_target_for, read_jsonl, \
+    write_json_atomic
+
+EVAL_SPLIT = "eval"
+TUNE_PROMPTS = 2     # prompts the CPU tree is chosen on
 
 
 class E2EParams(Section):
@@ -20,5 +31,123 @@ class E2EParams(Section):
     prompt_lookup: bool = True            # also measure transformers' prompt-lookup decoding
 
 
-def run(params: E2EParams, run_dirs, paths: Paths, report: Report) -> list[dict]:
-    raise NotImplementedError("e2e is not built yet")
+def first_user_turns(rows: list[dict], where: str) -> list[str]:
+    """The first user message of each conversation row (rows without one are skipped)."""
+    out = []
+    for row in rows:
+        msgs = row.get("messages") if isinstance(row, dict) else None
+        if not isinstance(msgs, list):
+            raise StageError(f"{where}: a row has no 'messages' list")
+        text = next((m.get("content") for m in msgs if isinstance(m, dict) and m.get("role") == "user"), None)
+        if isinstance(text, str) and text.strip():
+            out.append(text)
+    return out
+
+
+def load_prompts(params: E2EParams, paths: Paths) -> list[str]:
+    """`e2e.prompts`, else the held-out split of the regenerated (or prepared) conversations."""
+    if params.prompts:
+        texts = first_user_turns(read_jsonl(Path(params.prompts)), f"e2e.prompts={params.prompts}")
+        if not texts:
+            raise StageError(f"e2e.prompts={params.prompts}: no conversation has a user message")
+        return texts[: params.num_prompts]
+    for folder in (paths.root / "data" / "regenerated", paths.root / "data" / "prepared"):
+        rows = [r for f in sorted(folder.glob("*.jsonl")) for r in read_jsonl(f) if r.get("split") == EVAL_SPLIT]
+        texts = first_user_turns(rows, str(folder))
+        if texts:
+            return texts[: params.num_prompts]
+    raise StageError("e2e: no prompts (no held-out rows in data/regenerated or data/prepared; run prepare and "
+                     "regenerate, or set e2e.prompts=PATH)")
+
+
+def _tally(results: list, refs: list, tol: float, exact_required: bool) -> dict[str, Any]:
+    from models.decoding import lossless_at_near_tie
+
+    tokens = sum(len(r.tokens) for r in results)
+    seconds = sum(r.seconds for r in results)
+    base_tokens = sum(len(r.tokens) for r in refs)
+    base_seconds = sum(r.seconds for r in refs)
+    lengths = sum(sum(r.accept_lengths) for r in results)
+    rounds = sum(r.rounds for r in results)
+    checks = [lossless_at_near_tie(ref.tokens, ref.logits, r.tokens, tol) for r, ref in zip(results, refs)]
+    tps, base = tokens / seconds, base_tokens / base_seconds
+    return {"tau": lengths / rounds if rounds else 1.0, "tokens_per_s": tps, "baseline_tokens_per_s": base,
+            "speedup": tps / base, "draft_time_share": sum(r.draft_seconds for r in results) / seconds,
+            "exact_match": sum(c.exact for c in checks) / len(checks),
+            "lossless": all(c.exact if exact_required else c.lossless for c in checks),
+            "max_tie_gap": max((c.gap for c in checks if c.gap is not None), default=0.0)}
+
+
+def _setting(run_dir: Path, config: dict) -> dict[str, Any]:
+    d, t, dr = (config.get("params", {}).get("drafter", {}), config.get("params", {}).get("train", {}),
+                config.get("drafter", {}))
+    return {"trial": Path(run_dir).name, "variant": dr.get("variant"), "depth": dr.get("depth"),
+            "injection": d.get("injection", dr.get("injection")), "rope_fix": d.get("rope_fix", dr.get("rope_fix")),
+            "init": d.get("init"), "scale": t.get("scale"), "seed": t.get("seed"), "run_dir": str(run_dir)}
+
+
+def run(params: E2EParams, run_dirs, paths: Paths, report: Report, *, target: TargetParams,
+        loaded_target: Any = None, **_: Any) -> list[dict]:
+    """Decode with every drafter in `run_dirs`; writes metrics/e2e.json and returns its rows."""
+    import torch
+    from rich.progress import Progress
+
+    from models.decoding import (DrafterProposer, TreeSpec, greedy_generate, prompt_lookup_generate,
+                                 speculative_generate)
+    from stages import checkpoint as ckpt
+
+    run_dirs = [Path(r) for r in run_dirs]
+    if not run_dirs:
+        raise StageError("e2e: no trained drafters (train a study marked e2e, or set e2e.checkpoints=[RUN_DIR])")
+    for r in run_dirs:
+        if not ckpt.is_trained(r):
+            raise StageError(f"run directory {r}: no trained drafter in it (config.json / model.safetensors missing)")
+    paper = TreeSpec.of(params.paper_tree)
+    candidates = [TreeSpec.of(t) for t in params.tree_candidates]
+    tgt = loaded_target or load_target_for(target.model_copy(update={"dtype": params.dtype}), paths)
+    eos = tgt.tokenizer.eos_token_id if tgt.tokenizer is not None else None
+    prompts = [torch.tensor(tgt.chat_ids([{"role": "user", "content": t}], add_generation_prompt=True))
+               for t in load_prompts(params, paths)]
+    n_new, exact_required = params.max_new_tokens, params.dtype == "float32"
+
+    greedy_generate(tgt, prompts[0], 4, eos_token_id=eos)              # warm-up
+    refs = [greedy_generate(tgt, p, n_new, eos_token_id=eos, keep_logits=True) for p in prompts]
+    off = [speculative_generate(tgt, p, n_new, eos_token_id=eos) for p in prompts]
+    baselines = {"spec_off_tokens_per_s": _tally(off, refs, params.tie_tolerance, exact_required)["tokens_per_s"]}
+    if params.prompt_lookup:
+        pl = _tally([prompt_lookup_generate(tgt, p, n_new, eos_token_id=eos) for p in prompts], refs,
+                    params.tie_tolerance, exact_required)
+        baselines.update(prompt_lookup_tokens_per_s=pl["tokens_per_s"], prompt_lookup_speedup=pl["speedup"],
+                         prompt_lookup_tau=pl["tau"])
+    report({"baseline_tokens_per_s": sum(len(r.tokens) for r in refs) / sum(r.seconds for r in refs), **baselines})
+
+    rows: list[dict] = []
+    with Progress(transient=False) as bar:
+        for run_dir in run_dirs:
+            drafter, config = ckpt.load_drafter(run_dir, tgt)
+            setting = _setting(run_dir, config)
+
+            def decode(spec: TreeSpec, ps: list) -> list:
+                return [speculative_generate(tgt, p, n_new, DrafterProposer(drafter, tgt), spec, eos_token_id=eos)
+                        for p in ps]
+
+            task = bar.add_task(f"e2e {run_dir.name}", total=len(candidates) * TUNE_PROMPTS + 2 * len(prompts))
+            k = min(TUNE_PROMPTS, len(prompts))
+            speed = []
+            for spec in candidates:
+                speed.append(_tally(decode(spec, prompts[:k]), refs[:k], params.tie_tolerance, False)["speedup"])
+                bar.advance(task, TUNE_PROMPTS)
+            tuned = candidates[max(range(len(candidates)), key=speed.__getitem__)] if candidates else None
+            for kind, spec in (("tuned", tuned), ("paper", paper)):
+                if spec is None:
+                    continue
+                m = _tally(decode(spec, prompts), refs, params.tie_tolerance, exact_required)
+                bar.advance(task, len(prompts))
+                row = {**setting, "tree": spec.as_list(), "tree_kind": kind, **m, **baselines, "status": "ok",
+                       "dtype": params.dtype, "num_prompts": len(prompts), "max_new_tokens": n_new,
+                       "tie_tolerance": params.tie_tolerance}
+                rows.append(row)
+                report({f"{kind}/{key}": float(row[key]) for key in
+                        ("tau", "tokens_per_s", "speedup", "draft_time_share", "exact_match", "lossless")})
+    write_json_atomic(paths.e2e_metrics, rows)
+    return rows

@@ -1,0 +1,51 @@
+"""The e2e stage on the embedded target with an untrained drafter saved as a run directory (short)."""
+import json
+
+import pytest
+import torch
+
+from stages.common import Paths, StageError, TargetParams, write_text_atomic
+from stages.e2e import E2EParams, run
+
+
+@pytest.fixture()
+def run_dir(tmp_path, embedded_target):
+    from models.drafter import Drafter, DrafterConfig
+    from stages.checkpoint import save_run, trainable_weights
+
+    torch.manual_seed(0)
+    cfg = DrafterConfig.from_target(embedded_target, variant="hybrid", draft_vocab_size=2048)
+    drafter = Drafter(cfg)
+    d = tmp_path / "runs" / "scale" / "hybrid-small"
+    save_run(d, {"drafter": cfg.to_dict(), "params": {"drafter": {"init": "random"}, "train": {"scale": "small"}}},
+             trainable_weights(drafter))
+    return d
+
+
+def test_e2e_stage_writes_rows(tmp_path, run_dir, embedded_target):
+    prompts = tmp_path / "prompts.jsonl"
+    write_text_atomic(prompts, "\n".join(json.dumps({"id": str(i), "source": "t", "messages": [
+        {"role": "user", "content": c}]}) for i, c in enumerate(["Say hello.", "Name a colour."])) + "\n")
+    params = E2EParams(prompts=str(prompts), num_prompts=2, max_new_tokens=8, paper_tree=[3, 3, 8],
+                       tree_candidates=[[2, 1, 3], [2, 2, 5]], prompt_lookup=True)
+    seen = []
+    rows = run(params, [run_dir], Paths(tmp_path), lambda m, step=None: seen.append(m), target=TargetParams(),
+               loaded_target=embedded_target)
+    on_disk = json.loads((tmp_path / "metrics" / "e2e.json").read_text())
+    assert on_disk == json.loads(json.dumps(rows)) and [r["tree_kind"] for r in rows] == ["tuned", "paper"]
+    for r in rows:
+        assert r["trial"] == "hybrid-small" and r["variant"] == "hybrid" and r["scale"] == "small"
+        assert r["tau"] >= 1.0 and r["tokens_per_s"] > 0 and r["baseline_tokens_per_s"] > 0
+        assert r["speedup"] == pytest.approx(r["tokens_per_s"] / r["baseline_tokens_per_s"])
+        assert 0 <= r["draft_time_share"] < 1 and 0 <= r["exact_match"] <= 1 and r["lossless"] is True
+    assert rows[1]["tree"] == [3, 3, 8] and rows[0]["tree"] in ([2, 1, 3], [2, 2, 5])
+    assert any("paper/tau" in m for m in seen) and any("spec_off_tokens_per_s" in m for m in seen)
+
+
+def test_e2e_stage_names_a_bad_input(tmp_path, run_dir, embedded_target):
+    with pytest.raises(StageError, match="no trained drafter"):
+        run(E2EParams(), [tmp_path / "nope"], Paths(tmp_path), lambda *a, **k: None, target=TargetParams(),
+            loaded_target=embedded_target)
+    with pytest.raises(StageError, match="no prompts"):
+        run(E2EParams(), [run_dir], Paths(tmp_path), lambda *a, **k: None, target=TargetParams(),
+            loaded_target=embedded_target)
