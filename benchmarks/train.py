@@ -1,7 +1,8 @@
 """Training speed of each drafter variant: one TTT optimizer step (forward, backward, AdamW) on CPU.
 
 SmolLM2-135M shapes (d=576, 9/3 heads, head_dim 64, SwiGLU 1536, vocab 49152, 16k draft vocabulary), random
-target tensors (features, KV, last hidden; no model load), bf16 autocast, batch 1, every position scored.
+target tensors (features, KV, last hidden; no model load), bf16 autocast, batch 1, every position scored
+(`--scored 0.5`: only the last half, as in a chat whose reply is half the tokens).
 Prints per variant and length the K=7 and K=1 step times (median), their ratio, tokens/s and each variant's
 overhead over eagle3, then one summary line.
 
@@ -36,7 +37,7 @@ VARIANTS = {
 ANCHOR = {512: {7: 0.92, 1: 0.29}, 1024: {7: 3.83, 1: 0.83}}
 
 
-def batch(T: int, d: int, V: int, seed: int = 0) -> dict:
+def batch(T: int, d: int, V: int, scored: float = 1.0, seed: int = 0) -> dict:
     g = torch.Generator().manual_seed(seed)
     bf = torch.bfloat16
     # the draft vocabulary is ids 0..16k-1 (the default d2t): make the target's argmax land there, as the
@@ -46,7 +47,9 @@ def batch(T: int, d: int, V: int, seed: int = 0) -> dict:
     head = head.to(bf)
     kv = [(torch.randn(1, 3, T, 64, generator=g).to(bf), torch.randn(1, 3, T, 64, generator=g).to(bf))
           for _ in range(3)]
-    return dict(input_ids=torch.randint(0, V, (1, T), generator=g), loss_mask=torch.ones(1, T),
+    loss_mask = torch.zeros(1, T)
+    loss_mask[:, T - int(round(scored * T)):] = 1          # the reply: the last `scored` share of the tokens
+    return dict(input_ids=torch.randint(0, V, (1, T), generator=g), loss_mask=loss_mask,
                 features=torch.randn(1, T, 3 * d, generator=g).to(bf), target_kv=kv,
                 target_hidden=torch.randn(1, T, d, generator=g).to(bf),
                 lm_head_weight=head)
@@ -74,13 +77,15 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--draft-vocab", type=int, default=16384)
     ap.add_argument("--threads", type=int, default=0)
+    ap.add_argument("--scored", type=float, default=1.0, help="share of positions in the loss mask")
     args = ap.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
-    print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, bf16 autocast, batch 1")
+    print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, bf16 autocast, batch 1, "
+          f"{args.scored:.0%} of positions scored")
     results: dict = {}
     for T in args.seqs:
-        data = batch(T, SMOLLM2["hidden_size"], SMOLLM2["vocab_size"])
+        data = batch(T, SMOLLM2["hidden_size"], SMOLLM2["vocab_size"], args.scored)
         for name in args.variants:
             torch.manual_seed(0)
             cfg = DrafterConfig(draft_vocab_size=args.draft_vocab, **VARIANTS[name], **SMOLLM2)

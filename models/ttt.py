@@ -88,26 +88,40 @@ class _TTTContext:
 
 
 class _SoftCrossEntropy(torch.autograd.Function):
-    """Per-row -p·log_softmax(z), with the gradient softmax(z) - p written directly: fused (log_)softmax
-    passes instead of autograd's chain, and nothing [N, V]-sized in fp32 kept between forward and backward.
-    (torch.logsumexp is several times slower than log_softmax on CPU, hence the form.)"""
+    """Per row i: -p[rows[i]] · log_softmax(z[i]), gradient softmax(z[i]) - p[rows[i]] written directly.
+
+    Runs over blocks of rows so the fp32 temporaries stay in cache, gathers the target rows block by block
+    (the [N, V] fp32 target is never materialised) and keeps nothing fp32 between forward and backward.
+    """
 
     @staticmethod
-    def forward(ctx, z: torch.Tensor, p: torch.Tensor) -> torch.Tensor:
-        logp = torch.log_softmax(z.float(), -1)
-        ctx.save_for_backward(z, p)
-        return -torch.bmm(p.unsqueeze(1), logp.unsqueeze(2)).view(-1)
+    def forward(ctx, z: torch.Tensor, probs: torch.Tensor, rows: torch.Tensor, block: int) -> torch.Tensor:
+        out = torch.empty(z.shape[0], dtype=torch.float32, device=z.device)
+        for i in range(0, z.shape[0], block):
+            logp = torch.log_softmax(z[i:i + block].float(), -1)
+            out[i:i + block] = logp.mul_(probs.index_select(0, rows[i:i + block])).sum(-1).neg_()
+        ctx.save_for_backward(z, probs, rows)
+        ctx.block = block
+        return out
 
     @staticmethod
     def backward(ctx, g: torch.Tensor):
-        z, p = ctx.saved_tensors
-        grad = torch.softmax(z.float(), -1).sub_(p).mul_(g.unsqueeze(1))
-        return grad.to(z.dtype), None
+        z, probs, rows = ctx.saved_tensors
+        grad = torch.empty_like(z)
+        for i in range(0, z.shape[0], ctx.block):
+            sm = torch.softmax(z[i:i + ctx.block].float(), -1)
+            sm.sub_(probs.index_select(0, rows[i:i + ctx.block])).mul_(g[i:i + ctx.block].unsqueeze(1))
+            grad[i:i + ctx.block] = sm
+        return grad, None, None, None
 
 
-def soft_cross_entropy(z: torch.Tensor, p: torch.Tensor) -> torch.Tensor:
-    """Soft cross-entropy per row of logits z [N, V] against probabilities p [N, V] (fp32) -> [N] fp32."""
-    return _SoftCrossEntropy.apply(z, p)
+def soft_cross_entropy(z: torch.Tensor, probs: torch.Tensor, rows: torch.Tensor | None = None,
+                       block: int = 128) -> torch.Tensor:
+    """Soft cross-entropy of logits z [N, V] against target probabilities probs[rows] ([M, V] fp32, rows [N];
+    rows None = probs row for row) -> [N] fp32."""
+    if rows is None:
+        rows = torch.arange(z.shape[0], device=z.device)
+    return _SoftCrossEntropy.apply(z, probs, rows, block)
 
 
 def _shift(x: torch.Tensor, s: int, fill) -> torch.Tensor:
@@ -183,32 +197,40 @@ def ttt_unroll(drafter: Drafter, input_ids: torch.Tensor, loss_mask: torch.Tenso
 
     ctx = _TTTContext(drafter, causal, target_kv, position_ids)
     hidden = drafter.fuse(features) if cfg.uses_features else None
-    total = None
-    losses, valids, corrects, all_logits = [], [], [], []
+    valids, idxs, rows, picked, all_logits = [], [], [], [], []
     for k in range(steps):
         ctx.k = k
         ids_k = _shift(input_ids, 1 + k, 0)
         h = drafter.forward_hidden(ids_k, hidden, position_ids + 1 + k, ctx)
         # position t at step k is scored against the target's logits at t+1+k (which predict token t+2+k)
-        src = torch.arange(B * T, device=dev).view(B, T) + 1 + k
         valid = _shift(scored, 2 + k, False) & (_shift(tgt.view(B, T), 1 + k, -1) >= 0)
         idx = valid.reshape(-1).nonzero().squeeze(1)
-        rows = src.reshape(-1)[idx]
-        if return_logits:
-            z_all = drafter.head(h)
-            all_logits.append(z_all)
-            z = z_all.reshape(B * T, -1)[idx]
-        else:
-            z = drafter.head(h.reshape(B * T, -1)[idx])
-        n = idx.numel()
-        loss_k = soft_cross_entropy(z, probs.index_select(0, rows)).sum() / max(n, 1)
-        correct = torch.zeros(B * T, dtype=torch.bool, device=dev)
-        correct[idx] = z.detach().max(-1).indices == tgt[rows]
         valids.append(valid.reshape(-1))
-        corrects.append(correct)
-        losses.append(float(loss_k.detach()))
-        total = loss_k * decay ** k if total is None else total + loss_k * decay ** k
+        idxs.append(idx)
+        rows.append(idx + 1 + k)
+        if return_logits:
+            all_logits.append(drafter.head(h))
+            picked.append(all_logits[-1].reshape(B * T, -1)[idx])
+        else:
+            picked.append(h.reshape(B * T, -1)[idx])
         hidden = h
+    # the head and the loss do not feed the next step: run them once over the scored rows of every step
+    sizes = [i.numel() for i in idxs]
+    z = torch.cat(picked) if return_logits else drafter.head(torch.cat(picked))
+    src = torch.cat(rows)
+    per_row = soft_cross_entropy(z, probs, src)
+    hits = z.detach().max(-1).indices == tgt[src]
+    step_of_row = torch.repeat_interleave(torch.arange(steps, device=dev), torch.tensor(sizes, device=dev))
+    loss_sum = torch.zeros(steps, device=dev, dtype=per_row.dtype).index_add(0, step_of_row, per_row)
+    per_step = loss_sum / torch.tensor(sizes, device=dev).clamp(min=1)
+    weights = decay ** torch.arange(steps, device=dev, dtype=per_step.dtype)
+    total = (per_step * weights).sum()
+    losses = per_step.detach().tolist()
+    corrects = []
+    for idx, hit in zip(idxs, hits.split(sizes)):
+        correct = torch.zeros(B * T, dtype=torch.bool, device=dev)
+        correct[idx] = hit
+        corrects.append(correct)
     counts = step_counts(torch.stack(corrects), torch.stack(valids))
     gates = {i: float(torch.stack(g).mean()) for i, g in ctx.gates.items()}
     drafter.last_gates = gates
