@@ -35,7 +35,9 @@ def dvc_env(root: Path) -> dict[str, str]:
 
 
 def workspace(profile: str) -> Path:
-    return ROOT / "scratch" / "workspaces" / profile
+    """scratch/workspaces/<profile>, or under KVSHOT_WORKSPACES when set (tests, shared storage)."""
+    base = os.environ.get("KVSHOT_WORKSPACES")
+    return (Path(base) if base else ROOT / "scratch" / "workspaces") / profile
 
 
 def _write_if_changed(path: Path, text: str) -> None:
