@@ -188,8 +188,10 @@ class Injection(nn.Module):
         ks = [k for k, _ in kv]
         if self.rope_fix:
             ks = [unapply_rope(k.float(), cos, sin) for k in ks]
-        k = torch.einsum("bhsi,hio->bhso", torch.cat(ks, -1), self.k_proj)
-        v = torch.einsum("bhsi,hio->bhso", torch.cat([v for _, v in kv], -1), self.v_proj)
+        dtype = torch.get_autocast_dtype(self.k_proj.device.type) \
+            if torch.is_autocast_enabled(self.k_proj.device.type) else self.k_proj.dtype
+        k = torch.einsum("bhsi,hio->bhso", torch.cat(ks, -1).to(dtype), self.k_proj.to(dtype))
+        v = torch.einsum("bhsi,hio->bhso", torch.cat([v for _, v in kv], -1).to(dtype), self.v_proj.to(dtype))
         if self.rope_fix:
             k = apply_rope(k, cos.to(k.dtype), sin.to(k.dtype))
         return k, v
@@ -412,6 +414,7 @@ class Drafter(nn.Module):
         self.lm_head = nn.Linear(d, cfg.draft_vocab_size, bias=False)
         inv = torch.tensor(cfg.rope_inv_freq, dtype=torch.float32) if cfg.rope_inv_freq else None
         self.rotary = RotaryEmbedding(cfg.head_dim, cfg.rope_theta, inv, cfg.rope_scaling)
+        self._inv_freq32 = self.rotary.inv_freq.clone()    # not a buffer: `.to(bf16)` must not round it
         ids = torch.arange(cfg.draft_vocab_size)
         self.register_buffer("d2t", ids.clone())
         t2d = torch.zeros(cfg.vocab_size, dtype=torch.bool)
@@ -466,6 +469,8 @@ class Drafter(nn.Module):
 
     def rope(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """cos/sin `[B, 1, n, hd]` (fp32) for positions [B, n]."""
+        if self.rotary.inv_freq.dtype != torch.float32:      # the module was cast: restore exact frequencies
+            self.rotary.inv_freq = self._inv_freq32.to(self.rotary.inv_freq.device)
         cos, sin = self.rotary(positions)
         return cos[:, None], sin[:, None]
 

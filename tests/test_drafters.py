@@ -211,3 +211,25 @@ def test_set_vocab_and_head_from_target(llama):
     assert torch.equal(d.lm_head.weight, tgt.lm_head.weight[d2t])
     with pytest.raises(ValueError, match="d2t"):
         d.set_vocab(torch.arange(5))
+
+
+@pytest.mark.parametrize("spec", [dict(variant="eagle3"), dict(variant="kv_only", rope_fix=True),
+                                  dict(variant="hybrid")], ids=["eagle3", "kv_only_fix", "hybrid"])
+def test_bf16_model_and_autocast_stay_close_to_fp32(llama, spec):
+    """Decoding casts the drafter to the target's bf16; RoPE frequencies must survive the cast exactly."""
+    tgt, (ids, feats, kv, logits) = llama
+    d = make_drafter(tgt, **spec)
+    ref = naive_logits(d, ids, feats, kv, 2)
+    d = d.to(torch.bfloat16)
+    d.rope(torch.zeros(1, 1, dtype=torch.long))
+    assert d.rotary.inv_freq.dtype == torch.float32
+    assert torch.equal(d.rotary.inv_freq, tgt.rope_inv_freq.float())
+    kvb = [(k.bfloat16(), v.bfloat16()) for k, v in kv]
+    out = naive_logits(d, ids, feats.bfloat16(), kvb, 2)
+    have = ~torch.isnan(ref)
+    assert (out[have].float() - ref[have]).abs().max() < 0.1
+    d = d.float()
+    with torch.autocast("cpu", dtype=torch.bfloat16), torch.no_grad():
+        o = ttt_unroll(d, ids, torch.ones_like(ids), features=feats, target_kv=kvb, target_logits=logits, steps=2,
+                       return_logits=True)
+    assert (o.logits[0][:, :-1].float() - ref[0][:, :-1]).abs().max() < 0.1
