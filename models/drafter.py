@@ -22,6 +22,12 @@ Pieces (names are the state-dict prefixes):
   * `post_attention_layernorm`, `mlp` (SwiGLU).
 - `norm`, `lm_head` (d -> draft vocab); buffers `d2t` (draft index -> target id, the ids themselves, not
   EAGLE-3's offsets) and `t2d` (bool over the target vocab), both saved in the state dict.
+  `embed_tokens.weight` is in the state dict too; a checkpoint may leave it out and restore it with
+  `load_target_weights` after `load_state_dict(..., strict=False)`.
+
+Warm start (`init=ckpt`): `init_from_eagle3(drafter, eagle3_state_dict)` copies every tensor of the same name
+and shape (fc, self_attn, MLP, norms, head, vocabulary; cross_only has no self_attn to receive) and returns
+the loaded and the new keys (cross_attn, gate, delta).
 
 Injection of the L_s target layers' KV (`[B, Hkv_t, S, hd]` each, post-RoPE):
 - `linear`: per KV head h, a learned map from the concat of the L_s layers' key (and, separately, value)
@@ -54,7 +60,6 @@ import json
 from dataclasses import asdict, dataclass, field, fields
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from models.layers import MLP, KeyBlock, RMSNorm, attend, expand_heads, head_map
