@@ -51,7 +51,9 @@ class TrainParams(Section):
     checkpoint_every: int = Field(200, ge=1)
     log_every: int = Field(10, ge=1)
     seed: int = 0
-    head_init: Literal["target", "random"] = "target"   # LM head rows copied from the target's for d2t, or random
+    # LM head: random (EAGLE-3), or the target's rows of the draft vocabulary (trains slower early on: the target's
+    # head expects the target's own hidden states, which a fresh drafter does not produce)
+    head_init: Literal["random", "target"] = "random"
 
 
 # -- pure helpers: schedule and data order -------------------------------------------------------------------------
@@ -217,7 +219,7 @@ def needs_parent(drafter: DrafterParams) -> bool:
     return drafter.variant in CKPT_CHILDREN and drafter.init == "ckpt"
 
 
-def build_drafter(target, drafter: DrafterParams, counts: torch.Tensor, head_init: str = "target"):
+def build_drafter(target, drafter: DrafterParams, counts: torch.Tensor, head_init: str = "random"):
     """A fresh drafter sized from the target, with the draft vocabulary chosen from `counts`."""
     from models.drafter import Drafter, DrafterConfig
     from models.vocab import build_draft_vocab
@@ -259,7 +261,9 @@ def resolved_config(model, drafter: DrafterParams, params: TrainParams, target: 
                     num_conversations: int, steps: int) -> dict:
     """The run's identity: what config.json records and what a resumed run must agree with."""
     return {"drafter": model.config.to_dict(), "draft_vocab_size": model.config.draft_vocab_size,
-            "params": {"drafter": drafter.model_dump(), "train": params.model_dump(), "target": target.model_dump()},
+            "params": {"drafter": drafter.model_dump(), "train": params.model_dump(),
+                       # where and on how many threads the target runs does not change what is trained
+                       "target": target.model_dump(exclude={"device", "threads"})},
             "data": {"scale": params.scale, "conversations": num_conversations, "steps": steps}}
 
 

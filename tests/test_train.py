@@ -126,10 +126,12 @@ def test_run_writes_config_and_model(tmp_path, target, source):
 
 def test_loss_falls_when_overfitting(tmp_path, target):
     src = online_source(target, conversations(n=2, T=12))
-    summary, log = train(tmp_path / "fit", target, src, max_steps=12, lr=1e-2, batch_size=2, log_every=1,
+    summary, log = train(tmp_path / "fit", target, src, max_steps=40, lr=1e-2, batch_size=2, log_every=1,
                          warmup_ratio=0.0)
     losses = [m["loss"] for _, m in log.rows]
-    assert losses[-1] < 0.3 * losses[0] and losses[-1] < min(losses[:6]), losses
+    # the soft cross-entropy cannot go below the target's own entropy, so "falls" is relative to the start
+    assert losses[-1] < 0.3 * losses[0] and losses[-1] < min(losses[:20]), losses
+    assert log.rows[-1][1]["acc_0"] >= 0.9 > log.rows[0][1]["acc_0"]
 
 
 def test_resume_is_bit_exact(tmp_path, target, source):
