@@ -98,7 +98,7 @@ class _SoftCrossEntropy(torch.autograd.Function):
     def forward(ctx, z: torch.Tensor, probs: torch.Tensor, rows: torch.Tensor, block: int) -> torch.Tensor:
         out = torch.empty(z.shape[0], dtype=torch.float32, device=z.device)
         for i in range(0, z.shape[0], block):
-            logp = torch.log_softmax(z[i:i + block].float(), -1)
+            logp = torch.log_softmax(z[i:i + block], -1, dtype=torch.float32)   # upcast fused in the kernel
             out[i:i + block] = logp.mul_(probs.index_select(0, rows[i:i + block])).sum(-1).neg_()
         ctx.save_for_backward(z, probs, rows)
         ctx.block = block
@@ -109,7 +109,7 @@ class _SoftCrossEntropy(torch.autograd.Function):
         z, probs, rows = ctx.saved_tensors
         grad = torch.empty_like(z)
         for i in range(0, z.shape[0], ctx.block):
-            sm = torch.softmax(z[i:i + ctx.block].float(), -1)
+            sm = torch.softmax(z[i:i + ctx.block], -1, dtype=torch.float32)
             sm.sub_(probs.index_select(0, rows[i:i + ctx.block])).mul_(g[i:i + ctx.block].unsqueeze(1))
             grad[i:i + ctx.block] = sm
         return grad, None, None, None
