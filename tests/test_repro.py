@@ -1,0 +1,114 @@
+"""The whole DAG under DVC on the smoke profile, then ad-hoc sweeps on its data (issues: orchestration, report).
+
+One fresh workspace for the module: `kvshot repro --profile smoke` builds everything, a second run does nothing,
+and `kvshot sweep` re-uses finished trials by fingerprint.
+"""
+import json
+import os
+import sqlite3
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+pytestmark = pytest.mark.slow
+
+BIN = Path(sys.executable).parent
+STUDIES = ("injection", "depth", "hybrid", "scale")
+
+
+def kvshot(*args: str, env: dict, cwd: Path | None = None, timeout: int = 1500) -> subprocess.CompletedProcess:
+    out = subprocess.run([str(BIN / "kvshot"), *args], env=env, cwd=cwd, capture_output=True, text=True,
+                         timeout=timeout)
+    return out
+
+
+@pytest.fixture(scope="module")
+def smoke(tmp_path_factory):
+    """A smoke workspace built by `kvshot repro --profile smoke`; yields (workspace, env, first run)."""
+    base = tmp_path_factory.mktemp("workspaces")
+    env = dict(os.environ, KVSHOT_WORKSPACES=str(base), PATH=f"{BIN}{os.pathsep}{os.environ['PATH']}")
+    env.pop("MLFLOW_TRACKING_URI", None)
+    env.pop("RAY_ADDRESS", None)
+    first = kvshot("repro", "--profile", "smoke", env=env)
+    assert first.returncode == 0, first.stdout[-3000:] + first.stderr[-3000:]
+    return base / "smoke", env, first
+
+
+def test_repro_builds_every_artifact(smoke):
+    ws, _, first = smoke
+    for stage in ("prepare", "regenerate", "features", "e2e", "report", *(f"study@{s}" for s in STUDIES)):
+        assert f"Running stage '{stage}'" in first.stdout, stage
+    assert (ws / "data" / "prepared" / "sharegpt.jsonl").is_file()
+    assert (ws / "data" / "regenerated" / "sharegpt.jsonl").is_file()
+    assert json.loads((ws / "data" / "features" / "small" / "index.json").read_text())
+    for study in STUDIES:
+        rows = json.loads((ws / "metrics" / "stepwise" / f"{study}.json").read_text())
+        assert rows and all(r["status"] == "ok" for r in rows), study
+        for row in rows:
+            assert len(row["alpha"]) == 7 and len(row["acc"]) == 7
+            assert (ws / "runs" / study / row["trial"] / "model.safetensors").is_file()
+            assert (ws / "runs" / study / row["trial"] / "config.json").is_file()
+        curves = json.loads((ws / "metrics" / "curves" / f"{study}.json").read_text())
+        assert {c["k"] for c in curves} == set(range(7))
+    e2e = json.loads((ws / "metrics" / "e2e.json").read_text())
+    drafter_rows = [r for r in e2e if r.get("variant") in ("eagle3", "hybrid")]
+    assert drafter_rows and all(r["lossless"] for r in drafter_rows)
+    assert all(r["speedup"] > 0 and 0 <= r["exact_match"] <= 1 for r in drafter_rows)
+
+
+def test_report_has_every_table_figure_and_verdict(smoke):
+    ws, _, _ = smoke
+    text = (ws / "reports" / "README.md").read_text()
+    for title in ("Injection study", "Depth study", "Hybrid study", "Scale study", "Findings", "Provenance"):
+        assert title in text
+    for claim in ("P1", "P2", "P3", "| H |", "| E |"):
+        line = next(ln for ln in text.splitlines() if ln.startswith(f"| {claim.strip('| ')} |"))
+        assert any(v in line for v in ("holds", "does not hold", "within noise", "not measured")), line
+    figures = [ln.split("](")[1].rstrip(")") for ln in text.splitlines() if ln.startswith("![")]
+    assert len(figures) >= 5
+    for fig in figures:
+        assert (ws / "reports" / fig).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_second_repro_does_nothing(smoke):
+    ws, env, _ = smoke
+    again = kvshot("repro", "--profile", "smoke", env=env)
+    assert again.returncode == 0, again.stderr[-2000:]
+    assert "Running stage" not in again.stdout
+    status = subprocess.run([str(BIN / "dvc"), "status"], cwd=ws, env=env, capture_output=True, text=True)
+    assert "up to date" in status.stdout, status.stdout
+
+
+def test_sweeps_track_in_mlflow_and_skip_finished_trials(smoke):
+    ws, env, _ = smoke
+    first = kvshot("sweep", "depth=1,2", "--root", str(ws), env=env, cwd=ws)
+    assert first.returncode == 0, first.stdout[-2000:] + first.stderr[-2000:]
+    assert "2 ran" in first.stdout
+    again = kvshot("sweep", "depth=1,2", "--root", str(ws), env=env, cwd=ws)
+    assert again.returncode == 0 and "0 ran" in again.stdout, again.stdout[-2000:]
+    grown = kvshot("sweep", "depth=1,2,3", "--root", str(ws), env=env, cwd=ws)
+    assert grown.returncode == 0 and "1 ran" in grown.stdout, grown.stdout[-2000:]
+
+    db = sqlite3.connect(ws / "mlflow.db")
+    exp = db.execute("select experiment_id from experiments where name like '%adhoc'").fetchone()[0]
+    runs = db.execute("select run_uuid, status from runs where experiment_id=?", (exp,)).fetchall()
+    parents = {r for r, in db.execute(
+        "select run_uuid from runs where experiment_id=? and run_uuid not in "
+        "(select run_uuid from tags where key='mlflow.parentRunId')", (exp,))}
+    assert len(parents) == 3 and len(runs) >= 3 + 3
+    first_parent = db.execute("select run_uuid from runs where experiment_id=? order by start_time limit 1",
+                              (exp,)).fetchone()[0]
+    children = [r for r, in db.execute("select run_uuid from tags where key='mlflow.parentRunId' and value=?",
+                                       (first_parent,))]
+    assert len(children) == 2
+    for child in children:
+        keys = {k for k, in db.execute("select key from params where run_uuid=?", (child,))}
+        assert {"drafter.depth", "train.lr"} <= keys
+        def steps(key):
+            return {s for s, in db.execute("select step from metrics where run_uuid=? and key=?", (child, key))}
+        assert steps("acc") == set(range(7))
+        # α_k is undefined (not logged) once no position has all earlier steps right: a briefly trained drafter
+        assert 0 in steps("alpha") and steps("alpha") <= set(range(7))
+        assert db.execute("select count(*) from metrics where run_uuid=? and key='mat'", (child,)).fetchone()[0]
