@@ -40,8 +40,8 @@ from rich.table import Table
 
 from pipeline.config import Config, ConfigError, resolve_key, with_values
 from pipeline.fingerprint import HashCache, data_hashes, fingerprint
-from pipeline.trial import (Trial, TrialFn, base_row, cached_result, evaluate_runs, execute, failed_row,
-                            json_safe, needs_parent, prepare_run_dir, run_trial, train_trial)
+from pipeline.trial import (Trial, TrialFn, adopt_finished, base_row, cached_result, evaluate_runs, execute,
+                            failed_row, json_safe, needs_parent, prepare_run_dir, run_trial, train_trial)
 from stages.common import Paths, Report, write_json_atomic
 
 ADHOC = "adhoc"
@@ -548,7 +548,7 @@ def run_sweep(trials: list[Trial], paths: Paths, trial_fn: TrialFn = run_trial, 
 
     rows: dict[str, dict] = {}
     for t in trials:
-        row = cached_result(t, paths)
+        row = cached_result(t, paths) or adopt_finished(t, paths)
         if row is not None:
             rows[t.name] = {**row, "cached": True}
     skipped = [t.name for t in trials if t.name in rows]

@@ -9,6 +9,7 @@ from __future__ import annotations
 import inspect
 import json
 import math
+import os
 import shutil
 import time
 import traceback
@@ -69,6 +70,42 @@ def cached_result(trial: Trial, paths: Paths) -> dict | None:
     if row.get("fingerprint") != trial.fingerprint or row.get("status") != "ok":
         return None
     return row
+
+
+def adopt_finished(trial: Trial, paths: Paths) -> dict | None:
+    """Reuse a finished trial of the same fingerprint from another study (the EAGLE-3 baseline every study
+    includes, a scale-study trial that another study already trained): its run directory is copied in with hard
+    links and its row renamed. None when no such trial exists."""
+    target_dir = trial.run_dir(paths)
+    for fp_file in sorted((paths.root / "runs").glob(f"*/*/{FINGERPRINT_FILE}")):
+        donor = fp_file.parent
+        if donor == target_dir or fp_file.read_text().strip() != trial.fingerprint:
+            continue
+        donor_trial = Trial(name=donor.name, study=donor.parent.name, values={}, config=trial.config,
+                            fingerprint=trial.fingerprint)
+        row = cached_result(donor_trial, paths)
+        if row is None:
+            continue
+        if target_dir.exists():
+            shutil.rmtree(target_dir)
+        target_dir.parent.mkdir(parents=True, exist_ok=True)
+        tmp = target_dir.with_name(f".{target_dir.name}.adopting")
+        shutil.rmtree(tmp, ignore_errors=True)
+        shutil.copytree(donor, tmp, copy_function=_link_or_copy)
+        row = {**row, "trial": trial.name, "study": trial.study, "values": trial.values,
+               "reused_from": f"{donor.parent.name}/{donor.name}"}
+        (tmp / RESULT_FILE).unlink()
+        write_json_atomic(tmp / RESULT_FILE, row)
+        os.replace(tmp, target_dir)
+        return row
+    return None
+
+
+def _link_or_copy(src: str, dst: str) -> None:
+    try:
+        os.link(src, dst)
+    except OSError:
+        shutil.copy2(src, dst)
 
 
 def prepare_run_dir(trial: Trial, paths: Paths) -> Path:

@@ -321,6 +321,14 @@ def test_sweep_tracks_reruns_nothing_and_grows(ray_local, project):
     assert len(parents) == 3 and len(children) == 4
     assert len(json.loads(project.stepwise_metrics("adhoc").read_text())) == 4
 
+    # another study planning the same trials adopts the finished runs instead of training them again
+    other = run_sweep(plan(cfg, parse_overrides(["depth=1,2"]), "other"), project, trial_fn=quick_trial)
+    assert other.ran == [] and len(other.skipped) == 2 and len(_calls(project)) == 4
+    assert {r["reused_from"] for r in other.rows} == {"adhoc/kv_only-d1", "adhoc/kv_only-d2"}
+    assert (project.run_dir("other", "kv_only-d1") / "fingerprint").is_file()
+    assert [r["trial"] for r in json.loads(project.stepwise_metrics("other").read_text())] == ["kv_only-d1",
+                                                                                             "kv_only-d2"]
+
     # a changed config keeps the names but not the fingerprints: nothing would be reused
     changed = plan(with_values(cfg, {"train.lr": 0.002}), parse_overrides(["depth=1,2,3"]))
     fingerprint_trials(changed, project)
