@@ -21,9 +21,6 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-NEG = torch.finfo(torch.float32).min
-
-
 class RMSNorm(nn.Module):
     def __init__(self, dim: int, eps: float = 1e-6):
         super().__init__()
@@ -78,24 +75,24 @@ def expand_heads(x: torch.Tensor, hmap: torch.Tensor) -> torch.Tensor:
 def attend(q: torch.Tensor, blocks: list[KeyBlock], scale: float | None = None) -> torch.Tensor:
     """Joint-softmax attention of q `[B, H, n, hd]` over the union of `blocks`; returns `[B, H, n, hd]`.
 
-    The scores of all blocks share one fp32 softmax (one fused pass over [n, S + J]); the dense part is a
-    matmul, the diag part an elementwise product, so nothing grows with the square of (blocks x n).
+    The scores of all blocks share one softmax (one fused pass over [n, S + J], fp32 inside the kernel); the
+    dense part is a matmul in q's dtype (bf16 under autocast, as EAGLE-3 trainers do), the diag part an fp32
+    elementwise product, so nothing grows with the square of (blocks x n).
     """
     if not blocks:
         raise ValueError("attend: no key blocks given")
     scale = q.shape[-1] ** -0.5 if scale is None else scale
+    q = q * scale
     scores = []
-    qf = None
     for b in blocks:
         if b.diag:
-            qf = q.float() if qf is None else qf
-            s = (qf.unsqueeze(-2) * b.k.float()).sum(-1).mul_(scale)
+            s = (q.float().unsqueeze(-2) * b.k.float()).sum(-1).to(q.dtype)
         else:
-            s = (q @ b.k.transpose(-1, -2)).float().mul_(scale)
+            s = q @ b.k.transpose(-1, -2)
         if b.mask is not None:
-            s = s.masked_fill_(~b.mask, NEG)
+            s = s.masked_fill_(~b.mask, torch.finfo(s.dtype).min)
         scores.append(s)
-    p = torch.softmax(scores[0] if len(scores) == 1 else torch.cat(scores, -1), -1)
+    p = torch.softmax(scores[0] if len(scores) == 1 else torch.cat(scores, -1), -1, dtype=torch.float32)
     out = None
     off = 0
     for s, b in zip(scores, blocks):

@@ -147,7 +147,7 @@ def test_each_variant_overfits_a_few_sequences(spec):
     d = make_drafter(tgt, **spec).train()
     opt = torch.optim.AdamW([p for p in d.parameters() if p.requires_grad], lr=2e-2)
     first = None
-    for _ in range(30):
+    for _ in range(50):
         out = ttt_unroll(d, ids, torch.ones_like(ids), features=feats, target_kv=kv, target_logits=logits,
                          steps=2)
         opt.zero_grad()
