@@ -299,6 +299,8 @@ def run(drafter: DrafterParams, params: TrainParams, run_dir: Path, paths: Paths
     torch.manual_seed(params.seed)
     model = build_drafter(tgt, drafter, src.token_counts(tgt.vocab_size), params.head_init)
     init_info = init_from_parent(model, init_from, drafter) if needs_parent(drafter) else {}
+    if init_info and Path(init_from).resolve().is_relative_to(Path(paths.root).resolve()):
+        init_info["init_from"] = str(Path(init_from).resolve().relative_to(Path(paths.root).resolve()))
     config = resolved_config(model, drafter, params, target, n_conv, steps)
     if ckpt.is_trained(run_dir):
         done, _ = ckpt.load_run(run_dir)
