@@ -201,9 +201,9 @@ def _unique_names(named: list[tuple[str, dict[str, Any]]]) -> list[str]:
     return out
 
 
-def waves(trials: list[Trial]) -> list[list[Trial]]:
-    """Trials grouped so that every trial comes after the trial it depends on."""
-    done: set[str] = set()
+def waves(trials: list[Trial], finished: set[str] | frozenset = frozenset()) -> list[list[Trial]]:
+    """Trials grouped so that every trial comes after the trial it depends on (`finished` ones need no wave)."""
+    done: set[str] = set(finished)
     remaining = list(trials)
     out = []
     while remaining:
@@ -569,7 +569,7 @@ def run_sweep(trials: list[Trial], paths: Paths, trial_fn: TrialFn = run_trial, 
     try:
         if todo:
             with ray_session(cfg.ray, paths):
-                for i, wave in enumerate(waves(todo)):
+                for i, wave in enumerate(waves(todo, finished=set(rows))):
                     runnable = []
                     for t in wave:
                         parent_row = (rows.get(t.depends_on) or forward.rows.get(t.depends_on)) if t.depends_on else None

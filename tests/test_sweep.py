@@ -67,6 +67,10 @@ def test_hybrid_ckpt_depends_on_eagle3_of_same_scale():
     first, second = waves(trials)
     assert {t.name for t in first} == {"eagle3-small", "eagle3-large"}
     assert {t.name for t in second} == {"hybrid-small", "hybrid-large"}
+    # parents already finished (cached or adopted from another study) need no wave of their own
+    children = [t for t in trials if t.variant == "hybrid"]
+    assert [{t.name for t in w} for w in waves(children, finished={"eagle3-small", "eagle3-large"})] == [
+        {"hybrid-small", "hybrid-large"}]
 
 
 def test_missing_parent_is_added_first_and_shared():
