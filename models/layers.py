@@ -21,6 +21,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from models.attention import attend as backend_attend
+
 class RMSNorm(nn.Module):
     def __init__(self, dim: int, eps: float = 1e-6):
         super().__init__()
@@ -82,6 +84,9 @@ def attend(q: torch.Tensor, blocks: list[KeyBlock], scale: float | None = None) 
     if not blocks:
         raise ValueError("attend: no key blocks given")
     scale = q.shape[-1] ** -0.5 if scale is None else scale
+    if len(blocks) == 1 and not blocks[0].diag:
+        # one dense key set (decoding: the cached prefix and the tree): the kernel backend serves it
+        return backend_attend(q, blocks[0].k, blocks[0].v, mask=blocks[0].mask, scale=scale)
     q = q * scale
     scores = []
     for b in blocks:
