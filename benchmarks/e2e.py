@@ -43,14 +43,9 @@ def sharegpt_prompts(n: int, max_chars: int = 600) -> list[str]:
                 out.append(first)
             if len(out) == n:
                 return out
-    from stages.sources import LoadStats, iter_records, raw_turns
+    from stages.prepare import sample_conversations
 
-    for rec in iter_records("embedded", None, "train", LoadStats()):
-        turns = raw_turns(rec, "sharegpt") or []
-        if turns and turns[0][0] == "human" and isinstance(turns[0][1], str) and 0 < len(turns[0][1].strip()) <= max_chars:
-            out.append(turns[0][1].strip())
-        if len(out) == n:
-            break
+    out += [row["messages"][0]["content"] for row in sample_conversations(n - len(out), max_chars)]
     return out
 
 

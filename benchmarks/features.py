@@ -15,23 +15,9 @@ import torch
 
 from models.target import load_target
 from stages.features import FeaturesParams, extract, tokenize_rows, write_index
-from stages.prepare import normalize
-from stages.sources import LoadStats, iter_records, raw_turns
+from stages.prepare import sample_conversations
 
 ROOT = Path(__file__).resolve().parent.parent
-
-
-def conversations(n: int, max_chars: int) -> list[dict]:
-    """The first `n` one-pair ShareGPT conversations whose question is at most `max_chars` long."""
-    rows = []
-    for rec in iter_records("embedded", None, "train", LoadStats()):
-        turns = raw_turns(rec, "sharegpt")
-        msgs = normalize(turns or [], 1, Counter()) if turns else None
-        if isinstance(msgs, list) and msgs[0]["role"] == "user" and len(msgs[0]["content"]) <= max_chars:
-            rows.append({"id": str(len(rows)), "scale_rank": len(rows), "messages": msgs})
-        if len(rows) == n:
-            break
-    return rows
 
 
 def main() -> None:

@@ -8,7 +8,6 @@ from __future__ import annotations
 import argparse
 import tempfile
 import time
-from collections import Counter
 from pathlib import Path
 
 import torch
@@ -16,22 +15,9 @@ import torch
 from models.target import load_target
 from stages.common import Paths, TargetParams
 from stages.regenerate import RegenerateParams, TransformersBackend, regenerate_rows
-from stages.sources import LoadStats, iter_records, raw_turns
-from stages.prepare import normalize
+from stages.prepare import sample_conversations
 
 ROOT = Path(__file__).resolve().parent.parent
-
-
-def prompts(n: int, max_chars: int) -> list[dict]:
-    rows = []
-    for rec in iter_records("embedded", None, "train", LoadStats()):
-        turns = raw_turns(rec, "sharegpt")
-        msgs = normalize(turns or [], 1, Counter()) if turns else None
-        if isinstance(msgs, list) and len(msgs[0]["content"]) <= max_chars and msgs[0]["role"] == "user":
-            rows.append({"id": str(len(rows)), "split": "train", "scale_rank": len(rows), "messages": msgs})
-        if len(rows) == n:
-            return rows
-    return rows
 
 
 def main() -> None:
@@ -44,7 +30,7 @@ def main() -> None:
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     target = load_target("embedded", cache_dir=ROOT / "scratch" / "models")
-    rows = prompts(args.prompts, 600)
+    rows = sample_conversations(args.prompts, 600)
     params = RegenerateParams(max_new_tokens=args.max_new_tokens, batch_size=args.batch_size, window=8,
                               max_prompt_tokens=2048)
     backend = TransformersBackend(target, params)

