@@ -83,12 +83,13 @@ def test_second_repro_does_nothing(smoke):
 
 def test_sweeps_track_in_mlflow_and_skip_finished_trials(smoke):
     ws, env, _ = smoke
-    first = kvshot("sweep", "depth=1,2", "--root", str(ws), env=env, cwd=ws)
+    # the smoke depth study trained depths 1 and 2: an ad-hoc grid adopts those and trains only what is new
+    first = kvshot("sweep", "depth=2,3,4", "--root", str(ws), env=env, cwd=ws)
     assert first.returncode == 0, first.stdout[-2000:] + first.stderr[-2000:]
-    assert "2 ran" in first.stdout
-    again = kvshot("sweep", "depth=1,2", "--root", str(ws), env=env, cwd=ws)
+    assert "2 ran, 1 reused" in first.stdout, first.stdout[-2000:]
+    again = kvshot("sweep", "depth=2,3,4", "--root", str(ws), env=env, cwd=ws)
     assert again.returncode == 0 and "0 ran" in again.stdout, again.stdout[-2000:]
-    grown = kvshot("sweep", "depth=1,2,3", "--root", str(ws), env=env, cwd=ws)
+    grown = kvshot("sweep", "depth=2,3,4,5", "--root", str(ws), env=env, cwd=ws)
     assert grown.returncode == 0 and "1 ran" in grown.stdout, grown.stdout[-2000:]
 
     db = sqlite3.connect(ws / "mlflow.db")
