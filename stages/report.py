@@ -206,8 +206,11 @@ def aggregate(study: str, rows: list[dict]) -> list[Setting]:
 
 
 def _retention(alpha: list[float | None]) -> float | None:
-    first, last = _num(alpha[0]), _num(alpha[6] if len(alpha) > 6 else alpha[-1])
-    return last / first if first else None
+    """α_6/α_0; undefined (None) when no chain reached the last step, as the evaluate stage records it."""
+    first, last = _num(alpha[0]), alpha[6] if len(alpha) > 6 else alpha[-1]
+    if last is None or (isinstance(last, float) and math.isnan(last)):
+        return None
+    return float(last) / first if first else None
 
 
 def sort_settings(settings: list[Setting], scale_order: list[str]) -> list[Setting]:
