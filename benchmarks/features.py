@@ -29,7 +29,7 @@ def main() -> None:
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     target = load_target("embedded", cache_dir=ROOT / "scratch" / "models")
-    rows = [dict(r, messages=r["messages"][:2]) for r in conversations(args.conversations, 1500)]
+    rows = [dict(r, messages=r["messages"][:2]) for r in sample_conversations(args.conversations, 1500)]
     params = FeaturesParams(max_len=args.max_len, shard_size=args.conversations, batch_size=args.batch_size)
     items = tokenize_rows(rows, target.tokenizer, args.max_len, Counter())
     tokens = sum(len(it.ids) for it in items)

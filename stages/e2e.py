@@ -78,12 +78,20 @@ def _tally(results: list, refs: list, tol: float, exact_required: bool) -> dict[
             "max_tie_gap": max((c.gap for c in checks if c.gap is not None), default=0.0)}
 
 
-def _setting(run_dir: Path, config: dict) -> dict[str, Any]:
+def _relative(path: Path, root: Path) -> str:
+    """A run dir as written in metrics: relative to the workspace when inside it (metrics travel between clones)."""
+    try:
+        return str(Path(path).resolve().relative_to(Path(root).resolve()))
+    except ValueError:
+        return str(path)
+
+
+def _setting(run_dir: Path, config: dict, root: Path) -> dict[str, Any]:
     d, t, dr = (config.get("params", {}).get("drafter", {}), config.get("params", {}).get("train", {}),
                 config.get("drafter", {}))
     return {"trial": Path(run_dir).name, "variant": dr.get("variant"), "depth": dr.get("depth"),
             "injection": d.get("injection", dr.get("injection")), "rope_fix": d.get("rope_fix", dr.get("rope_fix")),
-            "init": d.get("init"), "scale": t.get("scale"), "seed": t.get("seed"), "run_dir": str(run_dir)}
+            "init": d.get("init"), "scale": t.get("scale"), "seed": t.get("seed"), "run_dir": _relative(run_dir, root)}
 
 
 def run(params: E2EParams, run_dirs, paths: Paths, report: Report, *, target: TargetParams,
@@ -125,7 +133,7 @@ def run(params: E2EParams, run_dirs, paths: Paths, report: Report, *, target: Ta
     with Progress(transient=False) as bar:
         for run_dir in run_dirs:
             drafter, config = ckpt.load_drafter(run_dir, tgt)
-            setting = _setting(run_dir, config)
+            setting = _setting(run_dir, config, paths.root)
 
             def decode(spec: TreeSpec, ps: list) -> list:
                 return [speculative_generate(tgt, p, n_new, DrafterProposer(drafter, tgt), spec, eos_token_id=eos)
