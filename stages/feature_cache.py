@@ -10,6 +10,8 @@ tensor zero there). The order is a seeded permutation per epoch, the same for bo
 """
 from __future__ import annotations
 
+from abc import ABC, abstractmethod
+
 import json
 from dataclasses import dataclass
 from pathlib import Path
@@ -69,7 +71,7 @@ def permutation(n: int, seed: int, epoch: int, shuffle: bool) -> list[int]:
     return torch.randperm(n, generator=g).tolist()
 
 
-class _Source:
+class _Source(ABC):
     """What both readers share: conversations, token lists, batching."""
 
     ids: list[str]
@@ -77,11 +79,13 @@ class _Source:
     def __len__(self) -> int:
         return len(self.ids)
 
+    @abstractmethod
     def tokens(self, i: int) -> tuple[torch.Tensor, torch.Tensor]:
-        raise NotImplementedError
+        """input_ids and loss_mask of conversation i."""
 
+    @abstractmethod
     def batch(self, idx: list[int]) -> FeatureBatch:
-        raise NotImplementedError
+        """The padded batch of conversations `idx`."""
 
     def batches(self, batch_size: int, seed: int = 0, epoch: int = 0, shuffle: bool = True,
                 drop_last: bool = False, limit: int | None = None) -> Iterator[FeatureBatch]:
