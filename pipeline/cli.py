@@ -54,6 +54,12 @@ def _guarded(fn: Callable[[], object], command: str | None = None) -> object:
         raise typer.Exit(130)
 
 
+def stage_run(cfg: Config, stage: str, paths):
+    """The MLflow run of a stage invoked alone (FINISHED or FAILED at the end); see pipeline.tracking."""
+    from pipeline.tracking import stage_run as tracked
+    return tracked(cfg, stage, paths)
+
+
 def _setup(profile: Optional[str], overrides: Optional[list[str]], root: Path) -> tuple[Config, "Paths"]:
     from stages.common import Paths
 
@@ -65,23 +71,14 @@ def _setup(profile: Optional[str], overrides: Optional[list[str]], root: Path) -
     return cfg, Paths(root=root, cache=Path(cache) if cache else None)
 
 
-def _stage_report(cfg: Config, stage: str, paths) -> Callable:
-    """Metrics of a stage run alone go to MLflow when tracking is available, else nowhere (progress is shown)."""
-    try:
-        from pipeline.tracking import standalone_report
-    except ImportError:
-        from stages.common import console_report
-        return console_report
-    return standalone_report(cfg, stage, paths)
-
-
 @app.command()
 def prepare(overrides: Optional[list[str]] = OverridesArg, profile: Optional[str] = ProfileOpt, root: Path = RootOpt):
     """Load and clean the raw conversations -> data/prepared/<source>.jsonl."""
     def body():
         from stages import prepare as stage
         cfg, paths = _setup(profile, overrides, root)
-        stage.run(cfg.data, paths, _stage_report(cfg, "prepare", paths))
+        with stage_run(cfg, "prepare", paths) as report:
+            stage.run(cfg.data, paths, report)
     _guarded(body, "prepare")
 
 
@@ -92,7 +89,8 @@ def regenerate(overrides: Optional[list[str]] = OverridesArg, profile: Optional[
     def body():
         from stages import regenerate as stage
         cfg, paths = _setup(profile, overrides, root)
-        stage.run(cfg.regenerate, cfg.target, list(cfg.data.sources), paths, _stage_report(cfg, "regenerate", paths))
+        with stage_run(cfg, "regenerate", paths) as report:
+            stage.run(cfg.regenerate, cfg.target, list(cfg.data.sources), paths, report)
     _guarded(body, "regenerate")
 
 
@@ -103,7 +101,8 @@ def features(overrides: Optional[list[str]] = OverridesArg, profile: Optional[st
     def body():
         from stages import features as stage
         cfg, paths = _setup(profile, overrides, root)
-        stage.run(cfg.features, cfg.target, cfg.data, paths, _stage_report(cfg, "features", paths))
+        with stage_run(cfg, "features", paths) as report:
+            stage.run(cfg.features, cfg.target, cfg.data, paths, report)
     _guarded(body, "features")
 
 
@@ -115,7 +114,8 @@ def train(overrides: Optional[list[str]] = OverridesArg, profile: Optional[str] 
         from pipeline import sweep
         cfg, paths = _setup(profile, overrides, root)
         trial = sweep.single_trial(cfg, study)
-        sweep.train_one(trial, paths, _stage_report(cfg, "train", paths))
+        with stage_run(cfg, "train", paths) as report:
+            sweep.train_one(trial, paths, report)
         console.print(f"trained {trial.name} -> {paths.run_dir(study, trial.name)}")
     _guarded(body, "train")
 
@@ -127,7 +127,8 @@ def evaluate(overrides: Optional[list[str]] = OverridesArg, profile: Optional[st
     def body():
         from pipeline import sweep
         cfg, paths = _setup(profile, overrides, root)
-        sweep.evaluate_study(cfg, study, paths, _stage_report(cfg, "evaluate", paths))
+        with stage_run(cfg, "evaluate", paths) as report:
+            sweep.evaluate_study(cfg, study, paths, report)
     _guarded(body, "evaluate")
 
 
@@ -138,7 +139,8 @@ def e2e(overrides: Optional[list[str]] = OverridesArg, profile: Optional[str] = 
         from stages import e2e as stage
         cfg, paths = _setup(profile, overrides, root)
         run_dirs = _e2e_run_dirs(cfg, paths)
-        stage.run(cfg.e2e, run_dirs, paths, _stage_report(cfg, "e2e", paths), target=cfg.target)
+        with stage_run(cfg, "e2e", paths) as report:
+            stage.run(cfg.e2e, run_dirs, paths, report, target=cfg.target)
     _guarded(body, "e2e")
 
 
@@ -159,7 +161,8 @@ def report(overrides: Optional[list[str]] = OverridesArg, profile: Optional[str]
         from pipeline.provenance import provenance
         from stages import report as stage
         cfg, paths = _setup(profile, overrides, root)
-        stage.run(cfg.report, provenance(cfg, paths), paths, _stage_report(cfg, "report", paths))
+        with stage_run(cfg, "report", paths) as report:
+            stage.run(cfg.report, provenance(cfg, paths), paths, report)
         console.print(f"wrote {paths.reports / 'README.md'}")
     _guarded(body, "report")
 

@@ -213,13 +213,23 @@ class RunReport:
 
 
 @contextmanager
-def stage_run(cfg: Any, stage: str, paths: Any, study: str = "stages") -> Iterator[RunReport]:
+def stage_run(cfg: Any, stage: str, paths: Any, study: str = "stages") -> Iterator[Report]:
     """An MLflow run for one stage invocation (experiment `<prefix>-<study>`): the resolved config as params,
-    the git commit as a tag, FINISHED or FAILED at the end. Yields the stage's `report` callback."""
-    from pipeline.config import flatten
+    the git commit as a tag, FINISHED or FAILED at the end. Yields the stage's `report` callback; when the
+    tracking backend cannot be reached the stage still runs, with a warning, and its metrics are dropped."""
+    import warnings
 
-    tracker = Tracker(cfg.tracking, paths.root, study)
-    run_id = tracker.start_run(stage, params=flatten(cfg), tags={"stage": stage, "git_commit": git_commit(paths.root)})
+    from pipeline.config import flatten
+    from stages.common import console_report
+
+    try:
+        tracker = Tracker(cfg.tracking, paths.root, study)
+        run_id = tracker.start_run(stage, params=flatten(cfg),
+                                   tags={"stage": stage, "git_commit": git_commit(paths.root)})
+    except Exception as exc:  # noqa: BLE001 - a stage never fails because of tracking
+        warnings.warn(f"MLflow tracking unavailable ({type(exc).__name__}: {exc}); metrics are not logged")
+        yield console_report
+        return
     try:
         yield RunReport(tracker, run_id)
     except BaseException as exc:
@@ -228,29 +238,3 @@ def stage_run(cfg: Any, stage: str, paths: Any, study: str = "stages") -> Iterat
     tracker.end_run(run_id, ok=True)
 
 
-def standalone_report(cfg: Any, stage: str, paths: Any) -> Report:
-    """A `report` callback for a stage run alone (`kvshot train`): metrics go to a fresh MLflow run that stays
-    open until the process ends (MLflow marks it finished then). Falls back to dropping metrics, with a warning,
-    when the backend cannot be reached, so a stage never fails because of tracking."""
-    import atexit
-    import warnings
-
-    from pipeline.config import flatten
-
-    try:
-        tracker = Tracker(cfg.tracking, paths.root, "stages")
-        run_id = tracker.start_run(stage, params=flatten(cfg),
-                                   tags={"stage": stage, "git_commit": git_commit(paths.root)})
-    except Exception as exc:  # noqa: BLE001
-        warnings.warn(f"MLflow tracking unavailable ({type(exc).__name__}: {exc}); metrics are not logged")
-        from stages.common import console_report
-        return console_report
-    atexit.register(lambda: _quiet(lambda: tracker.end_run(run_id, ok=True)))
-    return RunReport(tracker, run_id)
-
-
-def _quiet(fn: Callable[[], Any]) -> None:
-    try:
-        fn()
-    except Exception:  # noqa: BLE001 - best effort at interpreter exit
-        pass

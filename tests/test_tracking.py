@@ -8,7 +8,7 @@ import urllib.request
 import pytest
 
 from pipeline.config import load_config, with_values
-from pipeline.tracking import (Tracker, _retry, artifact_location, stage_run, standalone_report,
+from pipeline.tracking import (Tracker, _retry, artifact_location, stage_run,
                                tracking_uri)
 from stages.common import Paths
 
@@ -83,8 +83,8 @@ def test_standalone_stage_runs_log_to_mlflow(cfg, tmp_path):
     with pytest.raises(KeyError):
         with stage_run(cfg, "evaluate", paths) as report:
             raise KeyError("boom")
-    report = standalone_report(cfg, "features", paths)
-    report({"tokens": 10.0}, None)
+    with stage_run(cfg, "features", paths) as report:
+        report({"tokens": 10.0}, None)
     tracker = Tracker(cfg.tracking, tmp_path, "stages")
     runs = {r.info.run_name: r for r in tracker.client.search_runs([tracker.experiment_id])}
     assert [m.value for m in tracker.client.get_metric_history(runs["train"].info.run_id, "loss")] == [2.0, 1.0]
