@@ -67,8 +67,9 @@ def _tally(results: list, refs: list, tol: float, exact_required: bool) -> dict[
     seconds = sum(r.seconds for r in results)
     base_tokens = sum(len(r.tokens) for r in refs)
     base_seconds = sum(r.seconds for r in refs)
-    lengths = sum(sum(r.accept_lengths) for r in results)
-    rounds = sum(r.rounds for r in results)
+    # tokens per verification round over all prompts; transformers' loops give only counts (see DecodeResult.tau)
+    lengths = sum(sum(r.accept_lengths) if r.accept_lengths else len(r.tokens) - 1 for r in results)
+    rounds = sum(len(r.accept_lengths) if r.accept_lengths else r.rounds for r in results)
     checks = [lossless_at_near_tie(ref.tokens, ref.logits, r.tokens, tol) for r, ref in zip(results, refs)]
     tps, base = tokens / seconds, base_tokens / base_seconds
     return {"tau": lengths / rounds if rounds else 1.0, "tokens_per_s": tps, "baseline_tokens_per_s": base,

@@ -38,6 +38,8 @@ def test_e2e_stage_writes_rows(tmp_path, run_dir, embedded_target):
         assert r["tau"] >= 1.0 and r["tokens_per_s"] > 0 and r["baseline_tokens_per_s"] > 0
         assert r["speedup"] == pytest.approx(r["tokens_per_s"] / r["baseline_tokens_per_s"])
         assert 0 <= r["draft_time_share"] < 1 and 0 <= r["exact_match"] <= 1 and r["lossless"] is True
+        assert r["prompt_lookup_tau"] >= 1.0
+        assert r["run_dir"] == "runs/scale/hybrid-small"   # relative to the workspace: metrics travel
     assert rows[1]["tree"] == [3, 3, 8] and rows[0]["tree"] in ([2, 1, 3], [2, 2, 5])
     assert any("paper/tau" in m for m in seen) and any("spec_off_tokens_per_s" in m for m in seen)
 
