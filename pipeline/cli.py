@@ -129,6 +129,7 @@ def evaluate(overrides: Optional[list[str]] = OverridesArg, profile: Optional[st
         cfg, paths = _setup(profile, overrides, root)
         with stage_run(cfg, "evaluate", paths) as report:
             sweep.evaluate_study(cfg, study, paths, report)
+        write_curves(paths, study)
     _guarded(body, "evaluate")
 
 
@@ -140,7 +141,8 @@ def e2e(overrides: Optional[list[str]] = OverridesArg, profile: Optional[str] = 
         cfg, paths = _setup(profile, overrides, root)
         run_dirs = _e2e_run_dirs(cfg, paths)
         with stage_run(cfg, "e2e", paths) as report:
-            stage.run(cfg.e2e, run_dirs, paths, report, target=cfg.target)
+            rows = stage.run(cfg.e2e, run_dirs, paths, report, target=cfg.target)
+        write_e2e_summary(paths, rows)
     _guarded(body, "e2e")
 
 
@@ -196,7 +198,8 @@ def sweep(overrides: Optional[list[str]] = OverridesArg, profile: Optional[str] 
 
 
 def write_curves(paths, study: str) -> None:
-    """α_k/acc_k vs k as flat records, one per (trial, k): what `dvc plots show` draws for a study."""
+    """What DVC shows of a study: α_k/acc_k vs k as flat records (`dvc plots show`) and a per-trial summary of
+    numbers (`dvc metrics show`); the stepwise file itself is a list of rows, which DVC cannot tabulate."""
     import json
 
     from stages.common import write_json_atomic
@@ -204,12 +207,28 @@ def write_curves(paths, study: str) -> None:
     src = paths.stepwise_metrics(study)
     if not src.is_file():
         return
-    records = []
+    records, summary = [], {}
     for row in json.loads(src.read_text()):
-        for k, alpha in enumerate(row.get("alpha") or []):
-            acc = (row.get("acc") or [None] * (k + 1))[k]
-            records.append({"trial": row["trial"], "k": k, "alpha": alpha, "acc": acc})
+        alpha, acc = row.get("alpha") or [], row.get("acc") or []
+        for k, a in enumerate(alpha):
+            records.append({"trial": row["trial"], "k": k, "alpha": a, "acc": acc[k] if k < len(acc) else None})
+        numbers = {f"alpha_{k}": alpha[k] for k in (0, 3, 6) if k < len(alpha)}
+        numbers.update({f"acc_{k}": acc[k] for k in (0, 6) if k < len(acc)})
+        numbers.update(mat=row.get("mat"), retention=row.get("retention"))
+        summary[row["trial"]] = {k: v for k, v in numbers.items() if v is not None}
     write_json_atomic(paths.root / "metrics" / "curves" / f"{study}.json", records)
+    write_json_atomic(paths.root / "metrics" / "summary" / f"{study}.json", summary)
+
+
+def write_e2e_summary(paths, rows: list[dict]) -> None:
+    """`dvc metrics show` numbers of the e2e stage, one entry per drafter and tree."""
+    from stages.common import write_json_atomic
+
+    keys = ("tau", "tokens_per_s", "speedup", "draft_time_share", "exact_match")
+    summary = {f"{r['trial']}@{r.get('tree_kind', 'tree')}": {**{k: r[k] for k in keys if r.get(k) is not None},
+                                                              "lossless": int(bool(r.get("lossless")))}
+               for r in rows if r.get("trial")}
+    write_json_atomic(paths.root / "metrics" / "summary" / "e2e.json", summary)
 
 
 @app.command()

@@ -79,6 +79,9 @@ def test_second_repro_does_nothing(smoke):
     assert "Running stage" not in again.stdout
     status = subprocess.run([str(BIN / "dvc"), "status"], cwd=ws, env=env, capture_output=True, text=True)
     assert "up to date" in status.stdout, status.stdout
+    shown = subprocess.run([str(BIN / "dvc"), "metrics", "show"], cwd=ws, env=env, capture_output=True, text=True)
+    assert "metrics/summary/depth.json" in shown.stdout and "mat" in shown.stdout, shown.stdout
+    assert "metrics/summary/e2e.json" in shown.stdout and "tau" in shown.stdout, shown.stdout
 
 
 def test_sweeps_track_in_mlflow_and_skip_finished_trials(smoke):
