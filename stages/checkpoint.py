@@ -85,6 +85,17 @@ def is_trained(run_dir: Path) -> bool:
     return (run_dir / CONFIG_FILE).is_file() and (run_dir / MODEL_FILE).is_file()
 
 
+def trained_run_dirs(run_dirs, none_given: str) -> list[Path]:
+    """The run directories as paths, each holding a trained drafter; `none_given` is the error for an empty list."""
+    dirs = [Path(r) for r in run_dirs]
+    if not dirs:
+        raise StageError(none_given)
+    for r in dirs:
+        if not is_trained(r):
+            raise StageError(f"run directory {r}: no trained drafter in it (config.json / model.safetensors missing)")
+    return dirs
+
+
 def trainable_weights(model: torch.nn.Module) -> dict[str, torch.Tensor]:
     """The drafter's state dict without the frozen target embedding (d2t / t2d buffers included)."""
     return {k: v for k, v in model.state_dict().items() if k not in FROZEN}

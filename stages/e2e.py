@@ -105,12 +105,8 @@ def run(params: E2EParams, run_dirs, paths: Paths, report: Report, *, target: Ta
                                  speculative_generate)
     from stages import checkpoint as ckpt
 
-    run_dirs = [Path(r) for r in run_dirs]
-    if not run_dirs:
-        raise StageError("e2e: no trained drafters (train a study marked e2e, or set e2e.checkpoints=[RUN_DIR])")
-    for r in run_dirs:
-        if not ckpt.is_trained(r):
-            raise StageError(f"run directory {r}: no trained drafter in it (config.json / model.safetensors missing)")
+    run_dirs = ckpt.trained_run_dirs(
+        run_dirs, "e2e: no trained drafters (train a study marked e2e, or set e2e.checkpoints=[RUN_DIR])")
     paper = TreeSpec.of(params.paper_tree)
     candidates = [TreeSpec.of(t) for t in params.tree_candidates]
     tgt = loaded_target or load_target_for(target.model_copy(update={"dtype": params.dtype}), paths)

@@ -151,12 +151,7 @@ def run(params: EvalParams, run_dirs: list[Path], paths: Paths, report: Report, 
     """
     from rich.progress import Progress
 
-    run_dirs = [Path(r) for r in run_dirs]
-    if not run_dirs:
-        raise StageError("evaluate: no run directories given")
-    for r in run_dirs:
-        if not ckpt.is_trained(r):
-            raise StageError(f"run directory {r}: no trained drafter in it (config.json / model.safetensors missing)")
+    run_dirs = ckpt.trained_run_dirs(run_dirs, "evaluate: no run directories given")
     tgt = loaded_target if loaded_target is not None else load_target_for(target, paths)
     src = source if source is not None else open_eval_source(params, paths, tgt, data=data, features=features)
     lm_head = tgt.lm_head.weight.detach()
