@@ -4,14 +4,16 @@
 blocks with one joint softmax:
 
 - a *dense* block holds S keys that every query may see, subject to a bool mask `[B, 1|H, n, S]`
-  (True = attend); the TTT unroll uses one dense block for the T x T causal prefix, decoding uses dense
-  blocks for the cached prefix and the drafter's own entries;
+  (True = attend), or `causal` (query i sees keys 0..i); the TTT unroll uses one causal block for the T x T
+  prefix, decoding uses masked dense blocks for the cached prefix and the drafter's own entries;
 - a *diag* block holds exactly one key per query (`[B, H, n, hd]`): query i sees only key i. The TTT unroll
   uses diag blocks for the chain of the drafter's own draft tokens at the same position, so it never builds a
   (K*T) x (K*T) mask or score matrix: the diagonal keys cost O(T) dot products.
 
-The blocks are merged with a shared running max (the log-sum-exp merge), which is exactly the softmax over the
-concatenated keys. Scores and the softmax run in fp32 even under bf16 autocast.
+The blocks share one softmax, exactly the softmax over the concatenated keys; scores and the softmax run in fp32
+even under bf16 autocast. The TTT unroll's pair (causal prefix, diag chain) has a fused path on CPU
+(`_CausalChainAttention`): the prefix runs in PyTorch's flash kernel, which skips the masked half and never
+materialises the [n, n] scores, and the chain is merged in by log-sum-exp.
 """
 from __future__ import annotations
 
@@ -52,7 +54,8 @@ class MLP(nn.Module):
 class KeyBlock:
     """Keys/values one query set attends to. Heads already expanded to the query heads.
 
-    dense: k, v `[B, H, S, hd]`, mask `[B, 1|H, n, S]` bool or None (all visible).
+    dense: k, v `[B, H, S, hd]`, mask `[B, 1|H, n, S]` bool or None (all visible); causal=True instead of a
+           mask: S == n and query i sees keys 0..i.
     diag:  k, v `[B, H, n, J, hd]`, J keys private to each query (its own chain in the TTT unroll).
     """
 
@@ -60,6 +63,14 @@ class KeyBlock:
     v: torch.Tensor
     mask: torch.Tensor | None = None
     diag: bool = False
+    causal: bool = False
+
+    def dense_mask(self) -> torch.Tensor | None:
+        """The block's mask as a tensor (the causal triangle built on demand)."""
+        if self.causal:
+            n = self.k.shape[-2]
+            return torch.ones(n, n, dtype=torch.bool, device=self.k.device).tril()
+        return self.mask
 
 
 def head_map(num_heads: int, num_kv_heads: int, device=None) -> torch.Tensor:
@@ -86,7 +97,12 @@ def attend(q: torch.Tensor, blocks: list[KeyBlock], scale: float | None = None) 
     scale = q.shape[-1] ** -0.5 if scale is None else scale
     if len(blocks) == 1 and not blocks[0].diag:
         # one dense key set (decoding: the cached prefix and the tree): the kernel backend serves it
-        return backend_attend(q, blocks[0].k, blocks[0].v, mask=blocks[0].mask, scale=scale)
+        b = blocks[0]
+        return backend_attend(q, b.k, b.v, mask=b.mask, is_causal=b.causal, scale=scale)
+    if (len(blocks) == 2 and blocks[0].causal and blocks[1].diag and q.device.type == "cpu"
+            and q.shape[-2] == blocks[0].k.shape[-2]):
+        dt = q.dtype
+        return _CausalChainAttention.apply(q, blocks[0].k.to(dt), blocks[0].v.to(dt), blocks[1].k, blocks[1].v, scale)
     q = q * scale
     scores = []
     for b in blocks:
@@ -94,8 +110,9 @@ def attend(q: torch.Tensor, blocks: list[KeyBlock], scale: float | None = None) 
             s = (q.float().unsqueeze(-2) * b.k.float()).sum(-1).to(q.dtype)
         else:
             s = q @ b.k.transpose(-1, -2)
-        if b.mask is not None:
-            s = s.masked_fill_(~b.mask, torch.finfo(s.dtype).min)
+        mask = None if b.diag else b.dense_mask()
+        if mask is not None:
+            s = s.masked_fill_(~mask, torch.finfo(s.dtype).min)
         scores.append(s)
     p = torch.softmax(scores[0] if len(scores) == 1 else torch.cat(scores, -1), -1, dtype=torch.float32)
     out = None
@@ -106,3 +123,40 @@ def attend(q: torch.Tensor, blocks: list[KeyBlock], scale: float | None = None) 
         part = (w.unsqueeze(-1) * b.v.float()).sum(-2) if b.diag else (w.to(b.v.dtype) @ b.v).float()
         out = part if out is None else out + part
     return out.to(q.dtype)
+
+
+class _CausalChainAttention(torch.autograd.Function):
+    """attend() for [causal prefix of n keys, diag chain of J keys per query] on CPU, fused.
+
+    Forward: the prefix through PyTorch's CPU flash kernel (output and log-sum-exp), the chain as O(n*J) dot
+    products, merged by log-sum-exp. Backward: the same flash kernel's backward, handed the merged output and
+    log-sum-exp, gives the prefix's gradients under the joint softmax exactly (its probabilities are
+    exp(s - lse) and its rowsum(dO * O) term is the joint one), and the chain's gradients are written out.
+    Nothing of size n x n is kept between forward and backward.
+    """
+
+    @staticmethod
+    def forward(ctx, q, k, v, kc, vc, scale: float):
+        o1, lse1 = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, 0.0, True, scale=scale)
+        s2 = (q.float().unsqueeze(-2) * kc.float()).sum(-1).mul_(scale)          # [B, H, n, J]
+        lse = torch.logaddexp(lse1, torch.logsumexp(s2, -1))
+        p2 = torch.exp(s2 - lse.unsqueeze(-1))
+        out = torch.exp(lse1 - lse).unsqueeze(-1) * o1.float() + (p2.unsqueeze(-1) * vc.float()).sum(-2)
+        out = out.to(q.dtype)
+        ctx.save_for_backward(q, k, v, kc, vc, out, lse, p2)
+        ctx.scale = scale
+        return out
+
+    @staticmethod
+    def backward(ctx, g):
+        q, k, v, kc, vc, out, lse, p2 = ctx.saved_tensors
+        g = g.to(q.dtype).contiguous()
+        dq, dk, dv = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
+            g, q, k, v, out, lse, 0.0, True, scale=ctx.scale)
+        gf = g.float()
+        D = (gf * out.float()).sum(-1, keepdim=True)                             # rowsum(dO * O)
+        ds2 = p2 * ((gf.unsqueeze(-2) * vc.float()).sum(-1) - D)                 # [B, H, n, J]
+        dq = dq.float() + ctx.scale * (ds2.unsqueeze(-1) * kc.float()).sum(-2)
+        dkc = (ctx.scale * ds2).unsqueeze(-1) * q.float().unsqueeze(-2)
+        dvc = p2.unsqueeze(-1) * gf.unsqueeze(-2)
+        return dq.to(q.dtype), dk, dv, dkc.to(kc.dtype), dvc.to(vc.dtype), None

@@ -48,14 +48,17 @@ class TTTOutput:
 class _TTTContext:
     """Key blocks for the parallel unroll: a causal T x T block plus per-position diag blocks."""
 
-    def __init__(self, drafter: Drafter, causal: torch.Tensor, target_kv, position_ids: torch.Tensor):
-        self.drafter, self.causal = drafter, causal
+    def __init__(self, drafter: Drafter, causal: torch.Tensor | None, target_kv, position_ids: torch.Tensor):
+        self.drafter, self.causal = drafter, causal     # None: right padding, the plain causal triangle serves
         self.target_kv, self.position_ids = target_kv, position_ids
         self.k = 0
         self.dense0: dict = {}
         self.diag: dict = {}
         self.prefix: dict = {}
         self.gates: dict = {}
+
+    def _prefix(self, k, v) -> KeyBlock:
+        return KeyBlock(k, v, causal=True) if self.causal is None else KeyBlock(k, v, self.causal)
 
     def _chain(self, key, k, v) -> KeyBlock:
         """Append this step's same-position key to the chain: one [B, H, T, J, hd] tensor, one diag block."""
@@ -70,8 +73,8 @@ class _TTTContext:
         K, V = expand_heads(k, attn.hmap), expand_heads(v, attn.hmap)
         if self.k == 0:
             self.dense0[attn.layer] = (K, V)
-            return [KeyBlock(K, V, self.causal)]
-        return [KeyBlock(*self.dense0[attn.layer], self.causal), self._chain((attn.layer, "self"), K, V)]
+            return [self._prefix(K, V)]
+        return [self._prefix(*self.dense0[attn.layer]), self._chain((attn.layer, "self"), K, V)]
 
     def cross_blocks(self, attn, k, v) -> list[KeyBlock]:
         if attn.layer not in self.prefix:
@@ -81,38 +84,40 @@ class _TTTContext:
             pk, pv = attn.inject(self.target_kv, cos, sin)
             self.prefix[attn.layer] = (expand_heads(pk, attn.hmap), expand_heads(pv, attn.hmap))
         chain = self._chain((attn.layer, "cross"), expand_heads(k, attn.hmap), expand_heads(v, attn.hmap))
-        return [KeyBlock(*self.prefix[attn.layer], self.causal), chain]
+        return [self._prefix(*self.prefix[attn.layer]), chain]
 
     def record_gate(self, layer: int, g: torch.Tensor) -> None:
         self.gates.setdefault(layer, []).append(g.detach().float().mean())
 
 
 class _SoftCrossEntropy(torch.autograd.Function):
-    """Per row i: -p[rows[i]] · log_softmax(z[i]), gradient softmax(z[i]) - p[rows[i]] written directly.
+    """Per row i: -p[rows[i]] · log_softmax(z[i]) = logsumexp(z[i]) - p[rows[i]] · z[i].
 
-    Runs over blocks of rows so the fp32 temporaries stay in cache, gathers the target rows block by block
-    (the [N, V] fp32 target is never materialised) and keeps nothing fp32 between forward and backward.
+    Runs over blocks of rows so the fp32 temporaries stay in cache and gathers the target rows block by block
+    (the [N, V] fp32 target is never materialised). The gradient softmax(z) - p is written in the forward
+    pass, in z's dtype, in place of z itself (which nothing else needs saved), so backward is one multiply.
     """
 
     @staticmethod
     def forward(ctx, z: torch.Tensor, probs: torch.Tensor, rows: torch.Tensor, block: int) -> torch.Tensor:
         out = torch.empty(z.shape[0], dtype=torch.float32, device=z.device)
+        want_grad = ctx.needs_input_grad[0]
+        grad = torch.empty_like(z) if want_grad else None
         for i in range(0, z.shape[0], block):
-            logp = torch.log_softmax(z[i:i + block], -1, dtype=torch.float32)   # upcast fused in the kernel
-            out[i:i + block] = logp.mul_(probs.index_select(0, rows[i:i + block])).sum(-1).neg_()
-        ctx.save_for_backward(z, probs, rows)
-        ctx.block = block
+            zf = z[i:i + block].to(torch.float32, copy=True)
+            p = probs.index_select(0, rows[i:i + block])
+            lse = torch.logsumexp(zf, -1)
+            out[i:i + block] = lse - torch.linalg.vecdot(p, zf)
+            if want_grad:
+                grad[i:i + block] = zf.sub_(lse.unsqueeze(1)).exp_().sub_(p)
+        if want_grad:
+            ctx.save_for_backward(grad)
         return out
 
     @staticmethod
     def backward(ctx, g: torch.Tensor):
-        z, probs, rows = ctx.saved_tensors
-        grad = torch.empty_like(z)
-        for i in range(0, z.shape[0], ctx.block):
-            sm = torch.softmax(z[i:i + ctx.block], -1, dtype=torch.float32)
-            sm.sub_(probs.index_select(0, rows[i:i + ctx.block])).mul_(g[i:i + ctx.block].unsqueeze(1))
-            grad[i:i + ctx.block] = sm
-        return grad, None, None, None
+        (grad,) = ctx.saved_tensors
+        return grad.mul_(g.to(grad.dtype).unsqueeze(1)), None, None, None
 
 
 def soft_cross_entropy(z: torch.Tensor, probs: torch.Tensor, rows: torch.Tensor | None = None,
@@ -189,7 +194,11 @@ def ttt_unroll(drafter: Drafter, input_ids: torch.Tensor, loss_mask: torch.Tenso
         else attention_mask.to(torch.bool)
     if position_ids is None:
         position_ids = torch.arange(T, device=dev).expand(B, T)
-    causal = torch.ones(T, T, dtype=torch.bool, device=dev).tril()[None, None] & attention_mask[:, None, None, :]
+    # right padding (every row valid then padding): a valid query never sees a padded key under the plain causal
+    # triangle, and padded queries are never scored, so the fused causal kernels serve; otherwise an explicit mask
+    right_padded = not bool((~attention_mask[:, :-1] & attention_mask[:, 1:]).any())
+    causal = None if right_padded else \
+        torch.ones(T, T, dtype=torch.bool, device=dev).tril()[None, None] & attention_mask[:, None, None, :]
     Vd = probs.shape[-1]
     probs = probs.reshape(B * T, Vd)
     tgt = tgt.reshape(B * T)

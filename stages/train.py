@@ -362,8 +362,13 @@ def run(drafter: DrafterParams, params: TrainParams, run_dir: Path, paths: Paths
             done = step + 1
             if done % params.log_every == 0 or done == end:
                 dt = max(time.perf_counter() - win_t0, 1e-9)
-                report(step_metrics(out, window, loss_value, lr, float(grad_norm), win_tokens / dt), done)
+                metrics = step_metrics(out, window, loss_value, lr, float(grad_norm), win_tokens / dt)
+                report(metrics, done)
                 bar.update(task, tps=win_tokens / dt)
+                if not bar.console.is_terminal:     # logs (DVC, Ray, nohup) get a line instead of a live bar
+                    bar.console.print(f"train {drafter.variant} d{drafter.depth} step {done}/{steps} "
+                                      f"loss {loss_value:.3f} α0 {metrics['alpha_0']:.3f} "
+                                      f"{metrics['tokens_per_s']:.0f} tok/s", highlight=False)
                 window, win_tokens, win_t0 = None, 0, time.perf_counter()
             bar.update(task, completed=done, loss=loss_value)
             if done % params.checkpoint_every == 0 and done < end:
