@@ -117,14 +117,16 @@ class Item:
     mask: list[int]
 
 
-def tokenize_rows(rows: Iterable[dict], tok, max_len: int, drops: Counter) -> list[Item]:
+def tokenize_rows(rows: Iterable[dict], tok, max_len: int, drops: list[tuple[int, str]]) -> list[Item]:
+    """Tokenized conversations with their loss masks; each dropped one is appended to `drops` as (rank, reason)."""
     items = []
     for r in rows:
         got = tokenize_conversation(tok, r["messages"], max_len)
+        rank = int(r.get("scale_rank", len(items)))
         if got is None:
-            drops["template rewrites assistant text"] += 1
+            drops.append((rank, "template rewrites assistant text"))
         elif not any(got[1]):
-            drops["no assistant token within max_len"] += 1
+            drops.append((rank, "no assistant token within max_len"))
         else:
             items.append(Item(r["id"], r.get("source", ""), int(r.get("scale_rank", len(items))), *got))
     return items
@@ -366,7 +368,7 @@ def run(params: FeaturesParams, target: TargetParams, data, paths: Paths, report
     if not sets[largest_name]:
         raise StageError(f"{paths.regenerated(next(iter(data.sources)))}: no training conversations "
                          "(run regenerate first)")
-    drops = {k: Counter() for k in sets}
+    drops: dict[str, list[tuple[int, str]]] = {k: [] for k in sets}
     items = {k: tokenize_rows(v, tok, params.max_len, drops[k]) for k, v in sets.items()}
     total_tokens = sum(len(it.ids) for v in items.values() for it in v)
     with Progress(TextColumn("features"), BarColumn(), MofNCompleteColumn(), TextColumn("tokens"),
@@ -377,7 +379,8 @@ def run(params: FeaturesParams, target: TargetParams, data, paths: Paths, report
         for name in (EVAL, largest_name):
             out = paths.features(name)
             records[name] = extract(items[name], out, params, loaded, fp, by_rank=(name != EVAL), progress=step)
-            write_index(out, name, items[name], records[name], params, info, drops[name], fp)
+            write_index(out, name, items[name], records[name], params, info,
+                        Counter(reason for _, reason in drops[name]), fp)
     for name, limit in data.scales.items():
         if name == largest_name:
             continue
@@ -385,7 +388,7 @@ def run(params: FeaturesParams, target: TargetParams, data, paths: Paths, report
         recs = derive_scale(paths.features(largest_name), records[largest_name], items[largest_name],
                             paths.features(name), limit, params.shard_size, fp)
         write_index(paths.features(name), name, sub, recs, params, info,
-                    {k: v for k, v in drops[largest_name].items()}, fp)
+                    Counter(reason for rank, reason in drops[largest_name] if rank < limit), fp)
     for name in [EVAL, *data.scales]:
         idx = json.loads((paths.features(name) / "index.json").read_text())
         console.print(f"features {name}: {idx['conversations']:,} conversations, {idx['tokens']:,} tokens "

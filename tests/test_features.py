@@ -108,7 +108,7 @@ def test_offline_and_online_readers_agree_on_a_tiny_target(tmp_path, embedded_to
     from models.target import tiny_target
 
     target = tiny_target(vocab_size=len(embedded_tokenizer), tokenizer=embedded_tokenizer)
-    items = tokenize_rows(_rows(5, "train"), embedded_tokenizer, 64, drops=__import__("collections").Counter())
+    items = tokenize_rows(_rows(5, "train"), embedded_tokenizer, 64, drops=[])
     params = FeaturesParams(max_len=64, shard_size=2, batch_size=3, dtype="float32")
     extract(items, tmp_path / "c", params, target, {"t": 1}, by_rank=True)
     from stages.features import write_index
@@ -194,3 +194,20 @@ def test_online_only_cache_holds_tokens(tmp_path, embedded_target):
     on = OnlineFeatures.from_cache(paths.features("small"), embedded_target)
     batch = next(on.batches(3))
     assert batch.last_hidden.shape[:2] == batch.input_ids.shape and len(batch.kv) == 3
+
+
+def test_each_scale_counts_its_own_dropped_conversations(tmp_path, embedded_target):
+    paths = project_paths(tmp_path)
+    rows = _rows(1, "eval") + _rows(6, "train")
+    for r in rows[1:]:
+        if r["scale_rank"] in (1, 4):    # the reply starts beyond max_len: no loss token, dropped
+            r["messages"][0]["content"] = "word " * 80
+    out = paths.regenerated("uc")
+    out.parent.mkdir(parents=True)
+    out.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    data = DataParams(sources={"uc": {"kind": "local", "path": "x"}}, eval_size=1, scales={"small": 3, "large": 6})
+    run(FeaturesParams(max_len=48, shard_size=2), TargetParams(), data, paths, lambda m, step=None: None)
+    large, small = (json.loads((paths.features(s) / "index.json").read_text()) for s in ("large", "small"))
+    assert (large["conversations"], small["conversations"]) == (4, 2)
+    assert large["dropped"] == {"no assistant token within max_len": 2}
+    assert small["dropped"] == {"no assistant token within max_len": 1}
