@@ -173,6 +173,7 @@ class Setting:
     retention: Stat | None
     failed: list[dict] = field(default_factory=list)
     extra: dict[str, Any] = field(default_factory=dict)
+    chains: list[int] | None = None      # α_k's denominators (chains alive at step k), summed over seeds
 
     @property
     def n(self) -> int:
@@ -200,8 +201,11 @@ def aggregate(study: str, rows: list[dict]) -> list[Setting]:
         alpha = [Stat.of(r["alpha"][k] for r in ok if k < len(r["alpha"])) for k in range(k_max)]
         mats = [r.get("mat") if r.get("mat") is not None else mat_of([_num(a) for a in r["alpha"]]) for r in ok]
         rets = [r.get("retention") if r.get("retention") is not None else _retention(r["alpha"]) for r in ok]
+        chains = [(r.get("counts") or {}).get("chain") for r in ok]
+        chains = [sum(c[k] for c in chains if k < len(c)) for k in range(k_max)] \
+            if ok and all(isinstance(c, list) for c in chains) else None
         out.append(Setting(study, dict(zip(SETTING_KEYS, key)), sorted(str(r.get("trial")) for r in group),
-                           alpha, Stat.of(mats), Stat.of(rets), failed, json.loads(extra)))
+                           alpha, Stat.of(mats), Stat.of(rets), failed, json.loads(extra), chains))
     return out
 
 
@@ -511,8 +515,16 @@ STUDY_SHAPES: dict[str, tuple[list[tuple[str, Callable[[dict], str]]], tuple[str
 GENERIC_METRICS = ("alpha_0", "alpha_3", "alpha_6", "retention", "mat")
 
 
-def _metric_cell(stat: Stat | None, name: str) -> str:
-    return _s(stat, pct=name == "retention")
+FEW_CHAINS = 50   # an α_k measured on fewer chains than this shows its count
+
+
+def _metric_cell(stat: Stat | None, name: str, chains: list[int] | None = None) -> str:
+    cell = _s(stat, pct=name == "retention")
+    if name.startswith("alpha_") and chains and stat is not None:
+        k = int(name.split("_")[1])
+        if k < len(chains) and chains[k] < FEW_CHAINS:
+            cell += f" (n={chains[k]})"
+    return cell
 
 
 def _paper_cell(row: dict | None, name: str) -> str:
@@ -537,7 +549,7 @@ def stepwise_table(study: str, settings: list[Setting], paper: dict | None) -> s
         if s.n == 0:
             cells = ["failed"] * len(metrics)
         else:
-            cells = [_metric_cell(s.metric(m), m) for m in metrics]
+            cells = [_metric_cell(s.metric(m), m, s.chains) for m in metrics]
         if paper:
             prow = _paper_row(paper, s.fields)
             cells += [_paper_cell(prow, m) for m in metrics]
@@ -846,6 +858,9 @@ def run(params: ReportParams, context: dict, paths: Paths, report: Report) -> No
                 md += [f"![τ and speedup]({figure('e2e.png', lambda p: plot_e2e(e2e, p, params))})", ""]
         else:
             md += [stepwise_table(name, settings, paper), ""]
+            if any(s.chains and min(s.chains) < FEW_CHAINS for s in settings):
+                md += [f"(n=…): α_k is measured on the chains still alive at step k; below {FEW_CHAINS} the count "
+                       "is shown, as such an α_k is noisy.", ""]
             note = _paper_notes(paper, GENERIC_METRICS)
             if note:
                 md += [note, ""]

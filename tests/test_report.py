@@ -287,3 +287,17 @@ def test_extra_swept_values_split_settings_and_null_alphas_count_as_zero(tmp_pat
     run(ReportParams(), {"studies": ["lr"]}, Paths(tmp_path), lambda m, step=None: None)
     text = (tmp_path / "reports" / "README.md").read_text()
     assert table_row(section(text, "Study: lr"), "KV-only, 1 layer, train.lr=0.002")[1] == "2"
+
+
+def test_alpha_on_few_chains_shows_its_count(tmp_path):
+    (tmp_path / "metrics" / "stepwise").mkdir(parents=True)
+    counts = {"valid": [900] * 7, "chain": [900, 400, 120, 20, 6, 1, 0]}
+    rows = [{"trial": f"s{seed}", "variant": "kv_only", "depth": 1, "seed": seed, "alpha": [0.4, 0.3, 0.25, 0.2, 0.17, 1.0, None],
+             "counts": counts} for seed in (0, 1)]
+    (tmp_path / "metrics" / "stepwise" / "depth.json").write_text(json.dumps(rows))
+    paths = Paths(tmp_path)
+    run(ReportParams(), {"studies": ["depth"]}, paths, lambda m, step=None: None)
+    row = table_row(section((paths.reports / "README.md").read_text(), "Depth study"), "KV-only", "1")
+    assert row[3] == "0.400 ± 0.000"                 # α_0 on 1,800 chains: no count
+    assert row[4] == "0.200 ± 0.000 (n=40)"          # α_3 on 2 x 20 chains
+    assert row[5] == "–"                             # α_6: no chain reached step 6
