@@ -55,6 +55,33 @@ def batch(T: int, d: int, V: int, scored: float = 1.0, seed: int = 0) -> dict:
                 lm_head_weight=head)
 
 
+def eagle3_flops(T: int, K: int, Vd: int, d: int = 576, H: int = 9, Hkv: int = 3, hd: int = 64,
+                 inter: int = 1536, V: int = 49152) -> float:
+    """Matmul FLOPs of one eagle3 TTT step: the target's logits once (forward only), fc once (no input grad),
+    then K x (decoder layer + draft head) forward and backward (3x the forward), causal attention at T/2 keys
+    plus the chain. The K7/K1 ratio of this count is the floor of the measured ratio when nothing else costs."""
+    target = 2 * T * d * V
+    fc = 2 * (2 * T * 3 * d * d)
+    layer = 2 * T * (2 * d * (H + 2 * Hkv) * hd + H * hd * d + 3 * d * inter)
+    attn = lambda k: 2 * 2 * T * H * hd * (T / 2 + k)   # noqa: E731  QK^T and PV
+    head = 2 * T * d * Vd
+    return target + fc + sum(3 * (layer + attn(k) + head) for k in range(K))
+
+
+def saved_bytes(drafter: Drafter, data: dict, steps: int) -> int:
+    """Bytes autograd keeps for the backward pass of one unroll (distinct storages): the memory that grows with K."""
+    seen: dict[int, int] = {}
+
+    def pack(t: torch.Tensor) -> torch.Tensor:
+        st = t.untyped_storage()
+        seen[st.data_ptr()] = st.nbytes()
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), torch.autocast("cpu", dtype=torch.bfloat16):
+        ttt_unroll(drafter, steps=steps, **data)
+    return sum(seen.values())
+
+
 def step_time(drafter: Drafter, opt, data: dict, steps: int, repeats: int) -> float:
     times = []
     for i in range(repeats + 1):            # the first step warms up allocators and kernels
@@ -96,6 +123,12 @@ def main() -> None:
             results[(T, name)] = (t7, t1)
             base = results.get((T, "eagle3"))
             over = f"{t7 / base[0] - 1:+6.1%} vs eagle3" if base and name != "eagle3" else ""
+            if name == "eagle3":
+                f7, f1 = eagle3_flops(T, 7, args.draft_vocab), eagle3_flops(T, 1, args.draft_vocab)
+                over = f"(matmul FLOPs K7/K1 {f7 / f1:4.2f}x, {f7 / t7 / 1e9:4.0f} GFLOP/s at K=7)"
+                mem = {k: saved_bytes(drafter, data, k) / 2 ** 20 for k in (1, 4, 7)}
+                over += (f"\n           saved for backward: K=1 {mem[1]:.0f} MiB, K=4 {mem[4]:.0f} MiB, K=7 {mem[7]:.0f} MiB "
+                         f"(+{(mem[4] - mem[1]) / 3:.0f} and +{(mem[7] - mem[4]) / 3:.0f} MiB per step: linear in K)")
             print(f"seq {T:5d} {name:15s} K=7 {t7:6.3f} s  K=1 {t1:6.3f} s  K7/K1 {t7 / t1:4.2f}x  "
                   f"{T / t7:7.0f} tok/s  {over}", flush=True)
         if (T, "eagle3") in results and T in ANCHOR:
