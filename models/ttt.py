@@ -91,11 +91,11 @@ class _TTTContext:
 
 
 class _SoftCrossEntropy(torch.autograd.Function):
-    """Per row i: -p[rows[i]] · log_softmax(z[i]) = logsumexp(z[i]) - p[rows[i]] · z[i].
+    """Per row i: -p[rows[i]] · log_softmax(z[i]), and its gradient softmax(z[i]) - p[rows[i]].
 
-    Runs over blocks of rows so the fp32 temporaries stay in cache and gathers the target rows block by block
-    (the [N, V] fp32 target is never materialised). The gradient softmax(z) - p is written in the forward
-    pass, in z's dtype, in place of z itself (which nothing else needs saved), so backward is one multiply.
+    Runs over small blocks of rows so the fp32 temporaries stay in cache and gathers the target rows block by block
+    (the [N, V] fp32 target is never materialised). The gradient is written during the forward pass, in z's dtype,
+    from the same log-softmax, so backward is one multiply and z itself need not be kept.
     """
 
     @staticmethod
@@ -104,12 +104,11 @@ class _SoftCrossEntropy(torch.autograd.Function):
         want_grad = ctx.needs_input_grad[0]
         grad = torch.empty_like(z) if want_grad else None
         for i in range(0, z.shape[0], block):
-            zf = z[i:i + block].to(torch.float32, copy=True)
+            logp = torch.log_softmax(z[i:i + block], -1, dtype=torch.float32)    # a new fp32 tensor, upcast fused
             p = probs.index_select(0, rows[i:i + block])
-            lse = torch.logsumexp(zf, -1)
-            out[i:i + block] = lse - torch.linalg.vecdot(p, zf)
+            out[i:i + block] = torch.linalg.vecdot(p, logp).neg_()
             if want_grad:
-                grad[i:i + block] = zf.sub_(lse.unsqueeze(1)).exp_().sub_(p)
+                grad[i:i + block] = logp.exp_().sub_(p)
         if want_grad:
             ctx.save_for_backward(grad)
         return out
@@ -121,7 +120,7 @@ class _SoftCrossEntropy(torch.autograd.Function):
 
 
 def soft_cross_entropy(z: torch.Tensor, probs: torch.Tensor, rows: torch.Tensor | None = None,
-                       block: int = 128) -> torch.Tensor:
+                       block: int = 32) -> torch.Tensor:
     """Soft cross-entropy of logits z [N, V] against target probabilities probs[rows] ([M, V] fp32, rows [N];
     rows None = probs row for row) -> [N] fp32."""
     if rows is None:
