@@ -5,7 +5,7 @@ prompt-lookup decoding, and tree speculative decoding with a drafter (a trained 
 an untrained one) at a small CPU tree and at the paper's (8, 10, 60); an oracle drafter (the target's own greedy
 continuation) gives the ceiling of each tree. Also the target's verify cost t(n)/t(1). Ends with one summary line.
 
-    .venv/bin/python benchmarks/e2e.py [--checkpoint runs/scale/<trial>] [--prompts 8] [--max-new-tokens 96]
+    .venv/bin/python benchmarks/e2e.py [--checkpoint runs/scale/<trial>] [--cpu-tree 4,2,8 5,2,10] [--prompts 8]
 """
 from __future__ import annotations
 
@@ -123,7 +123,8 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
     ap.add_argument("--checkpoint", default=None, help="a trained run dir (runs/<study>/<trial>)")
     ap.add_argument("--variant", default="eagle3", help="untrained drafter variant when no --checkpoint")
-    ap.add_argument("--cpu-tree", default="4,2,8", help="depth,top_k,total_tokens of the small CPU tree")
+    ap.add_argument("--cpu-tree", nargs="+", default=["4,2,8"],
+                    help="depth,top_k,total_tokens of the small CPU tree(s); each is measured")
     ap.add_argument("--paper-tree", default="8,10,60")
     ap.add_argument("--tie-tolerance", type=float, default=0.25)
     ap.add_argument("--no-oracle", action="store_true")
@@ -137,8 +138,10 @@ def main(argv: list[str] | None = None) -> None:
     prompts = [torch.tensor(target.chat_ids([{"role": "user", "content": t}], add_generation_prompt=True))
                for t in texts]
     drafter, dname = build_drafter(target, args.checkpoint, args.variant)
-    trees = {"cpu": TreeSpec.of([int(x) for x in args.cpu_tree.split(",")]),
-             "paper": TreeSpec.of([int(x) for x in args.paper_tree.split(",")])}
+    cpu_trees = [TreeSpec.of([int(x) for x in t.split(",")]) for t in args.cpu_tree]
+    trees = {("cpu" if len(cpu_trees) == 1 else "cpu" + str(tuple(t.as_list())).replace(" ", "")): t
+             for t in cpu_trees}
+    trees["paper"] = TreeSpec.of([int(x) for x in args.paper_tree.split(",")])
     n_new = args.max_new_tokens
 
     cost = verify_cost(target)
@@ -172,9 +175,9 @@ def main(argv: list[str] | None = None) -> None:
               + ", ".join(f"{m} {r.tokens_per_s:.1f}" for m, r in runs.items()), flush=True)
 
     base = tally["greedy"].tps
-    print(f"\n{'method':<28} {'tok/s':>7} {'vs greedy':>9} {'tau':>5} {'draft %':>7} {'exact':>6} {'lossless':>8}")
+    print(f"\n{'method':<36} {'tok/s':>7} {'vs greedy':>9} {'tau':>5} {'draft %':>7} {'exact':>6} {'lossless':>8}")
     for m, t in tally.items():
-        print(f"{m:<28} {t.tps:7.1f} {t.tps / base:8.2f}x {t.tau:5.2f} {100 * t.draft / t.seconds:6.1f}% "
+        print(f"{m:<36} {t.tps:7.1f} {t.tps / base:8.2f}x {t.tau:5.2f} {100 * t.draft / t.seconds:6.1f}% "
               f"{t.exact:>3}/{t.n:<2} {t.lossless:>5}/{t.n}")
     trees_s = " ".join(f"{k}={v.as_list()}" for k, v in trees.items())
     parts = [f"greedy {base:.1f} tok/s", f"spec-off {tally['spec-off'].tps / base:.2f}x",
