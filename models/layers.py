@@ -99,6 +99,13 @@ def attend(q: torch.Tensor, blocks: list[KeyBlock], scale: float | None = None) 
         # one dense key set (decoding: the cached prefix and the tree): the kernel backend serves it
         b = blocks[0]
         return backend_attend(q, b.k, b.v, mask=b.mask, is_causal=b.causal, scale=scale)
+    if not any(b.diag for b in blocks):
+        # several dense sets (decoding's cross branch: target prefix + own entries): one kernel call over their union
+        k = torch.cat([b.k.to(q.dtype) for b in blocks], -2)
+        v = torch.cat([b.v.to(q.dtype) for b in blocks], -2)
+        masks = [b.dense_mask() for b in blocks]
+        mask = None if all(m is None for m in masks) else _union_mask(q, blocks, masks)
+        return backend_attend(q, k, v, mask=mask, scale=scale)
     if (len(blocks) == 2 and blocks[0].causal and blocks[1].diag and q.device.type == "cpu"
             and q.shape[-2] == blocks[0].k.shape[-2]):
         dt = q.dtype
@@ -123,6 +130,14 @@ def attend(q: torch.Tensor, blocks: list[KeyBlock], scale: float | None = None) 
         part = (w.unsqueeze(-1) * b.v.float()).sum(-2) if b.diag else (w.to(b.v.dtype) @ b.v).float()
         out = part if out is None else out + part
     return out.to(q.dtype)
+
+
+def _union_mask(q: torch.Tensor, blocks: list[KeyBlock], masks: list[torch.Tensor | None]) -> torch.Tensor:
+    """The dense blocks' masks side by side, [B|1, H|1, n, sum S] (None = all visible)."""
+    full = [torch.ones(1, 1, 1, b.k.shape[-2], dtype=torch.bool, device=q.device) if m is None
+            else m.reshape((1,) * (4 - m.dim()) + tuple(m.shape)) for b, m in zip(blocks, masks)]
+    lead = (max(m.shape[0] for m in full), max(m.shape[1] for m in full), q.shape[-2])
+    return torch.cat([m.expand(*lead, m.shape[-1]) for m in full], -1)
 
 
 class _CausalChainAttention(torch.autograd.Function):

@@ -79,7 +79,7 @@ def speculative_generate(target: Target, prompt_ids: torch.Tensor, max_new_token
     t0 = clock()
     cap, logits = prefill(target, prompt_ids)
     cache = cap.cache
-    out = [int(logits.argmax())]
+    out = [int(logits.max(-1).indices)]
     draft_s = 0.0
     if proposer is not None:
         t = clock()

@@ -53,7 +53,7 @@ def verify(target: Target, tree: DraftTree, cache) -> Verified:
     cap = target.capture(tokens[None], attention_mask=tree_attention_mask(tree, past, target.dtype).to(dev),
                          position_ids=tree.positions(past).to(dev)[None], past_key_values=cache, keep_cache=True)
     logits = target.logits(cap.last_hidden[0])
-    pred = logits.argmax(-1)
+    pred = logits.max(-1).indices          # the first maximum, as argmax; several times faster in bf16
     path, bonus = accept(tree, pred)
     return Verified(capture=cap, argmax=pred, path=path, bonus=bonus, logits=logits)
 
