@@ -489,8 +489,13 @@ def run(params: RegenerateParams, target: TargetParams, sources: list[str], path
                                 label=f"regenerate {source}")
         console.print(f"regenerate {source}: {stats['kept']:,}/{stats['conversations']:,} conversations kept "
                       f"({stats['resumed']:,} resumed), {stats['new_tokens']:,} new tokens at "
-                      f"{stats['tokens_per_s']:.0f} tok/s; dropped {stats['dropped']:,}, ended early "
+                      f"{stats['tokens_per_s']:.0f} tok/s; dropped {stats['dropped']:,}{_reasons(stats)}, ended early "
                       f"{stats['ended_early']:,}, answers cut at max_new_tokens {stats['answers_cut']:,}")
         metrics.update({f"regenerate/{source}/{k}": float(v) for k, v in stats.items()})
     report(metrics)
 
+
+def _reasons(stats: dict) -> str:
+    """' (reason: n, ...)' for the dropped conversations, or ''."""
+    parts = [f"{k.removeprefix('dropped/')}: {v:,}" for k, v in stats.items() if k.startswith("dropped/")]
+    return f" ({', '.join(parts)})" if parts else ""

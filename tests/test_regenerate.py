@@ -150,3 +150,11 @@ def test_killed_run_resumes_to_the_same_file(tmp_path, embedded_tokenizer):
     assert killed.read_text() == whole.read_text()
     ids = [r["id"] for r in read_jsonl(killed)]
     assert len(ids) == len(set(ids)) and not partial_paths(killed)
+
+
+def test_the_summary_line_names_why_conversations_were_dropped():
+    from stages.regenerate import _reasons
+
+    stats = {"dropped": 3, "dropped/prompt over max_prompt_tokens": 2, "dropped/no answer": 1, "kept": 9}
+    assert _reasons(stats) == " (prompt over max_prompt_tokens: 2, no answer: 1)"
+    assert _reasons({"dropped": 0, "kept": 9}) == ""
