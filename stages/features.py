@@ -128,7 +128,7 @@ def tokenize_rows(rows: Iterable[dict], tok, max_len: int, drops: list[tuple[int
         elif not any(got[1]):
             drops.append((rank, "no assistant token within max_len"))
         else:
-            items.append(Item(r["id"], r.get("source", ""), int(r.get("scale_rank", len(items))), *got))
+            items.append(Item(r["id"], r.get("source", ""), rank, *got))
     return items
 
 

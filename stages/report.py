@@ -518,13 +518,18 @@ GENERIC_METRICS = ("alpha_0", "alpha_3", "alpha_6", "retention", "mat")
 FEW_CHAINS = 50   # an α_k measured on fewer chains than this shows its count
 
 
+def _few_chains(stat: Stat | None, name: str, chains: list[int] | None) -> int | None:
+    """The chain count behind an α_k cell when it is below FEW_CHAINS (and the cell has a value), else None."""
+    if not (name.startswith("alpha_") and chains and stat is not None):
+        return None
+    k = int(name.split("_")[1])
+    return chains[k] if k < len(chains) and chains[k] < FEW_CHAINS else None
+
+
 def _metric_cell(stat: Stat | None, name: str, chains: list[int] | None = None) -> str:
     cell = _s(stat, pct=name == "retention")
-    if name.startswith("alpha_") and chains and stat is not None:
-        k = int(name.split("_")[1])
-        if k < len(chains) and chains[k] < FEW_CHAINS:
-            cell += f" (n={chains[k]})"
-    return cell
+    few = _few_chains(stat, name, chains)
+    return cell if few is None else f"{cell} (n={few})"
 
 
 def _paper_cell(row: dict | None, name: str) -> str:
@@ -554,7 +559,11 @@ def stepwise_table(study: str, settings: list[Setting], paper: dict | None) -> s
             prow = _paper_row(paper, s.fields)
             cells += [_paper_cell(prow, m) for m in metrics]
         rows.append(label + [_seeds_cell(s)] + cells)
-    return md_table(header, rows)
+    table = md_table(header, rows)
+    if any(s.n and _few_chains(s.metric(m), m, s.chains) is not None for s in settings for m in metrics):
+        table += (f"\n\n(n=…): α_k is measured on the chains still alive at step k; below {FEW_CHAINS} the count is "
+                  "shown, as such an α_k is noisy.")
+    return table
 
 
 def _paper_notes(paper: dict | None, metrics: Iterable[str]) -> str:
@@ -858,9 +867,6 @@ def run(params: ReportParams, context: dict, paths: Paths, report: Report) -> No
                 md += [f"![τ and speedup]({figure('e2e.png', lambda p: plot_e2e(e2e, p, params))})", ""]
         else:
             md += [stepwise_table(name, settings, paper), ""]
-            if any(s.chains and min(s.chains) < FEW_CHAINS for s in settings):
-                md += [f"(n=…): α_k is measured on the chains still alive at step k; below {FEW_CHAINS} the count "
-                       "is shown, as such an α_k is noisy.", ""]
             note = _paper_notes(paper, GENERIC_METRICS)
             if note:
                 md += [note, ""]

@@ -297,7 +297,9 @@ def test_alpha_on_few_chains_shows_its_count(tmp_path):
     (tmp_path / "metrics" / "stepwise" / "depth.json").write_text(json.dumps(rows))
     paths = Paths(tmp_path)
     run(ReportParams(), {"studies": ["depth"]}, paths, lambda m, step=None: None)
-    row = table_row(section((paths.reports / "README.md").read_text(), "Depth study"), "KV-only", "1")
+    text = section((paths.reports / "README.md").read_text(), "Depth study")
+    row = table_row(text, "KV-only", "1")
+    assert "(n=…): α_k is measured on the chains still alive" in text
     assert row[3] == "0.400 ± 0.000"                 # α_0 on 1,800 chains: no count
     assert row[4] == "0.200 ± 0.000 (n=40)"          # α_3 on 2 x 20 chains
     assert row[5] == "–"                             # α_6: no chain reached step 6
