@@ -6,6 +6,10 @@ answer_0, ..., user_j). Only the rows some scale or the eval split uses are rege
 Over-long prompts: a turn whose prompt exceeds `max_prompt_tokens` ends the conversation there (the pairs answered so
 far are kept); when that is the first turn the conversation is dropped. Both are counted. An empty answer does the same.
 
+Budget: `original_answers_from: N` regenerates only the eval rows and the train rows with scale_rank < N; the rest
+keep the dataset's own answers (EAGLE-1 trained on such fixed data), marked `"answers": "dataset"`. Generation is
+the costly part of the data on a CPU; a forward pass over fixed text (the features stage) is ~20x cheaper.
+
 Resumption: the work is cut into windows of `batch_size * window` conversations in a fixed order; inside a window,
 prompts are sorted by length into left-padded batches. Finished (or dropped) conversations are appended to a partial
 file as soon as they finish (flush + fsync). A restarted run skips every conversation already in the partial file
@@ -45,6 +49,7 @@ class RegenerateParams(Section):
     max_prompt_tokens: int = Field(1024, ge=16)
     request_timeout_s: float = Field(600.0, gt=0)
     sampling_seed: int = 0
+    original_answers_from: int | None = Field(None, ge=0)  # train rows ranked >= this keep the dataset's answers
 
 
 @dataclass
@@ -291,7 +296,7 @@ class PartialWriter:
 def fingerprint_of(params: RegenerateParams, target: TargetParams) -> dict:
     """Settings that change the answers: a partial file made under others is not resumed."""
     keep = ("backend", "server_model", "max_new_tokens", "temperature", "top_p", "batch_size", "window",
-            "max_prompt_tokens", "sampling_seed")
+            "max_prompt_tokens", "sampling_seed", "original_answers_from")
     return {**{k: getattr(params, k) for k in keep}, "target": target.source, "dtype": target.dtype}
 
 
@@ -352,22 +357,36 @@ def make_backend(params: RegenerateParams, target: TargetParams, paths: Paths, l
     return TransformersBackend(loaded_target, params)
 
 
+def keeps_dataset_answers(row: dict, params: RegenerateParams) -> bool:
+    """A train row past the regeneration budget (`original_answers_from`) keeps the dataset's own answers."""
+    limit = params.original_answers_from
+    return limit is not None and row.get("split") == "train" and row.get("scale_rank", 0) >= limit
+
+
+def dataset_answers(row: dict) -> dict:
+    return dict(row, answers="dataset")
+
+
 def regenerate_rows(rows: list[dict], final: Path, params: RegenerateParams, target: TargetParams, paths: Paths,
                     backend: Backend | None = None, label: str = "regenerate") -> dict[str, float]:
-    """Regenerate `rows` into `final` (resuming from its partial files); returns counts for the report."""
+    """Regenerate `rows` into `final` (resuming from its partial files); returns counts for the report.
+
+    Rows past the budget (`keeps_dataset_answers`) are written with their own answers, never generated."""
     import torch
 
     fp = fingerprint_of(params, target)
     order = canonical_order(rows)
-    done = read_partials(final, fp)
+    kept_as_is = {r["id"]: dataset_answers(r) for r in order if keeps_dataset_answers(r, params)}
+    done = {**read_partials(final, fp), **kept_as_is}
     size = params.batch_size * params.window
-    todo = [(w, win) for w, win in enumerate(windows(order, size)) if any(r["id"] not in done for r in win)]
-    resumed = sum(r["id"] in done for r in order)
+    to_generate = [r for r in order if r["id"] not in kept_as_is]
+    todo = [(w, win) for w, win in enumerate(windows(to_generate, size)) if any(r["id"] not in done for r in win)]
+    resumed = sum(r["id"] in done for r in order) - len(kept_as_is)
     tokens = sum(d.get("gen_tokens", 0) for d in done.values())
     t0 = time.perf_counter()
     new_tokens = 0
     with _progress() as bar:
-        task = bar.add_task(label, total=len(order), completed=resumed, tokens=tokens, tps=0.0)
+        task = bar.add_task(label, total=len(order), completed=resumed + len(kept_as_is), tokens=tokens, tps=0.0)
         if params.workers > 1 and todo:
             new_tokens = _run_ray(todo, final, params, target, paths, fp, bar, task, done)
         elif todo:
@@ -391,7 +410,7 @@ def regenerate_rows(rows: list[dict], final: Path, params: RegenerateParams, tar
                     bar.update(task, tokens=tokens + new_tokens, tps=new_tokens / max(dt, 1e-9))
             finally:
                 writer.close()
-    done = read_partials(final, fp)
+    done = {**read_partials(final, fp), **kept_as_is}
     missing = [r["id"] for r in order if r["id"] not in done]
     if missing:
         raise StageError(f"{final}: {len(missing)} conversations were not regenerated (first: {missing[0]})")
@@ -409,7 +428,7 @@ def regenerate_rows(rows: list[dict], final: Path, params: RegenerateParams, tar
             drops[r["dropped"]] = drops.get(r["dropped"], 0) + 1
     return {"conversations": len(order), "kept": len(kept), "dropped": len(order) - len(kept),
             "resumed": resumed, "ended_early": sum("ended" in r for r in kept),
-            "answers_cut": sum(r.get("gen_cut", 0) for r in kept),
+            "answers_cut": sum(r.get("gen_cut", 0) for r in kept), "dataset_answers": len(kept_as_is),
             "tokens": sum(r.get("gen_tokens", 0) for r in kept), "new_tokens": new_tokens,
             "seconds": dt, "tokens_per_s": new_tokens / max(dt, 1e-9), **{f"dropped/{k}": v for k, v in drops.items()}}
 
@@ -489,10 +508,15 @@ def run(params: RegenerateParams, target: TargetParams, sources: list[str], path
                                 label=f"regenerate {source}")
         console.print(f"regenerate {source}: {stats['kept']:,}/{stats['conversations']:,} conversations kept "
                       f"({stats['resumed']:,} resumed), {stats['new_tokens']:,} new tokens at "
-                      f"{stats['tokens_per_s']:.0f} tok/s; dropped {stats['dropped']:,}{_reasons(stats)}, ended early "
+                      f"{stats['tokens_per_s']:.0f} tok/s{_kept_as_is(stats)}; dropped {stats['dropped']:,}{_reasons(stats)}, ended early "
                       f"{stats['ended_early']:,}, answers cut at max_new_tokens {stats['answers_cut']:,}")
         metrics.update({f"regenerate/{source}/{k}": float(v) for k, v in stats.items()})
     report(metrics)
+
+
+def _kept_as_is(stats: dict) -> str:
+    n = int(stats.get("dataset_answers", 0))
+    return f", {n:,} keep the dataset's answers" if n else ""
 
 
 def _reasons(stats: dict) -> str:

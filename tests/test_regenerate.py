@@ -158,3 +158,20 @@ def test_the_summary_line_names_why_conversations_were_dropped():
     stats = {"dropped": 3, "dropped/prompt over max_prompt_tokens": 2, "dropped/no answer": 1, "kept": 9}
     assert _reasons(stats) == " (prompt over max_prompt_tokens: 2, no answer: 1)"
     assert _reasons({"dropped": 0, "kept": 9}) == ""
+
+
+def test_rows_past_the_budget_keep_the_dataset_answers_and_are_never_generated(tmp_path):
+    rows = [dict(conv(i), split="eval" if i == 4 else "train", scale_rank=i if i < 4 else 0) for i in range(6)]
+    rows[5]["scale_rank"] = 9
+    final = tmp_path / "out.jsonl"
+    backend = EchoBackend()
+    params = RegenerateParams(batch_size=2, window=1, original_answers_from=2)
+    stats = regenerate_rows(rows, final, params, TargetParams(), Paths(tmp_path), backend=backend)
+    got = {r["id"]: r for r in read_jsonl(final)}
+    asked = {h[-1]["content"].split(".")[0] for h in backend.seen}
+    assert asked == {"q0", "q1", "q4"}            # ranks >= 2 never reach the backend (c1 is dropped there)
+    assert set(got) == {"c0", "c2", "c3", "c4", "c5"} and stats["dataset_answers"] == 3
+    for i in (2, 3, 5):
+        assert got[f"c{i}"]["messages"] == rows[i]["messages"] and got[f"c{i}"]["answers"] == "dataset"
+    assert got["c4"]["messages"][1]["content"].startswith("re:")   # eval rows are always the target's
+    assert stats["resumed"] == 0 and stats["conversations"] == 6
