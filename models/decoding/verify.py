@@ -85,10 +85,11 @@ def compact_cache(cache, past: int, path: torch.Tensor) -> None:
         if n_keep < total:
             cache.crop(n_keep - total)
         return
-    index = torch.cat([torch.arange(past, device=path.device), past + path])
+    # only the tail moves: the accepted nodes are copied down to past, past + 1, ... and the rest cropped
     for layer in cache.layers:
         if getattr(layer, "sliding_window", None):
             raise ValueError("compact_cache: sliding-window cache layers are not supported")
-        idx = index.to(layer.keys.device)
-        layer.keys = layer.keys.index_select(-2, idx)
-        layer.values = layer.values.index_select(-2, idx)
+        src = (past + path).to(layer.keys.device)
+        layer.keys[..., past:n_keep, :] = layer.keys.index_select(-2, src)
+        layer.values[..., past:n_keep, :] = layer.values.index_select(-2, src)
+    cache.crop(n_keep - total)
