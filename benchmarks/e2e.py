@@ -28,17 +28,23 @@ from models.decoding import (DecodeResult, DrafterProposer, OracleProposer, Tree
 from models.target import Target, load_target  # noqa: E402
 
 
-def sharegpt_prompts(n: int, max_chars: int = 600) -> list[str]:
-    """First n ShareGPT conversations that open with a non-empty human turn of modest length (prepared data
-    first, when the pipeline has produced it)."""
-    prepared = ROOT / "data" / "prepared" / "sharegpt.jsonl"
+def sharegpt_prompts(n: int, max_chars: int = 600, workspace: Path = ROOT) -> list[str]:
+    """First n held-out ShareGPT conversations that open with a non-empty human turn of modest length (the
+    workspace's prepared data first, when the pipeline has produced it). A held-out conversation with a segment
+    among the training rows (prepared files written before prepare dropped those) is skipped."""
+    prepared = workspace / "data" / "prepared" / "sharegpt.jsonl"
     out: list[str] = []
     if prepared.is_file():
         import json
 
-        for line in prepared.open():
-            msgs = json.loads(line)["messages"]
-            first = next((m["content"] for m in msgs if m["role"] == "user"), "")
+        from stages.prepare import conversation_of
+
+        rows = [json.loads(line) for line in prepared.open()]
+        trained = {conversation_of(r["id"]) for r in rows if r.get("split") == "train"}
+        for row in rows:
+            if row.get("split", "eval") != "eval" or conversation_of(row["id"]) in trained:
+                continue
+            first = next((m["content"] for m in row["messages"] if m["role"] == "user"), "")
             if first.strip() and len(first) <= max_chars:
                 out.append(first)
             if len(out) == n:
@@ -128,13 +134,14 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--paper-tree", default="8,10,60")
     ap.add_argument("--tie-tolerance", type=float, default=0.25)
     ap.add_argument("--no-oracle", action="store_true")
+    ap.add_argument("--workspace", type=Path, default=ROOT, help="the workspace whose held-out prompts to decode")
     args = ap.parse_args(argv)
 
     torch.set_num_threads(args.threads)
     target = load_target("embedded", dtype=args.dtype, cache_dir=ROOT / "scratch" / "models")
     tok = target.tokenizer
     eos = tok.eos_token_id
-    texts = sharegpt_prompts(args.prompts)
+    texts = sharegpt_prompts(args.prompts, workspace=args.workspace)
     prompts = [torch.tensor(target.chat_ids([{"role": "user", "content": t}], add_generation_prompt=True))
                for t in texts]
     drafter, dname = build_drafter(target, args.checkpoint, args.variant)

@@ -12,7 +12,8 @@ Cleaning rules, applied in this order to every conversation (each counted in the
   8. exact duplicates (same messages) are dropped; a repeated id on different content gets a `#n` suffix.
 
 Split and scales: each source's clean conversations are shuffled with `split_seed` (and capped at
-`max_conversations`); its first `eval_size` form the held-out `eval` split. The training rows of all sources are then
+`max_conversations`); its first `eval_size` form the held-out `eval` split, and the other segments of those
+conversations (ShareGPT splits long ones into `<id>_0`, `<id>_1`, ...) are dropped, never trained on. The training rows of all sources are then
 shuffled together and numbered: `scale_rank` is a row's position in that order (eval rows are numbered the same way
 among eval rows). Scale `s` is every train row with `scale_rank < scales[s]`, so scales are nested by construction;
 `used` marks the rows some scale or the eval split needs (the rest are kept for larger scales later).
@@ -24,6 +25,7 @@ from __future__ import annotations
 import hashlib
 import json
 import random
+import re
 from collections import Counter
 from typing import Iterable, Literal
 
@@ -176,8 +178,20 @@ def clean_source(name: str, records: Iterable[dict], fmt: str, max_user_turns: i
 FORMATS_FIELD = {"sharegpt": "conversations", "ultrachat": "messages"}
 
 
-def split_and_rank(per_source: dict[str, list[dict]], data: DataParams) -> dict[str, list[dict]]:
-    """Held-out eval split per source, then one global, seeded order of the training rows (`scale_rank`)."""
+SEGMENT = re.compile(r"_\d+$")
+EVAL_SEGMENT = "segment of an eval conversation"
+
+
+def conversation_of(row_id: str) -> str:
+    """The conversation a row comes from: its id without prepare's `#n` suffix and ShareGPT's segment `_k`."""
+    return SEGMENT.sub("", row_id.split("#", 1)[0])
+
+
+def split_and_rank(per_source: dict[str, list[dict]], data: DataParams,
+                   stats: dict[str, LoadStats] | None = None) -> dict[str, list[dict]]:
+    """Held-out eval split per source, then one global, seeded order of the training rows (`scale_rank`).
+
+    A training row from a held-out conversation (another segment of it) is dropped, counted in `stats`."""
     evals, trains = [], []
     for name, rows in per_source.items():
         cap = data.sources[name].max_conversations
@@ -188,8 +202,12 @@ def split_and_rank(per_source: dict[str, list[dict]], data: DataParams) -> dict[
         if len(order) <= data.eval_size:
             raise StageError(f"data source {name!r}: {len(order)} clean conversations, not more than "
                              f"data.eval_size={data.eval_size}; nothing would be left to train on")
+        held = {conversation_of(r["id"]) for r in order[:data.eval_size]}
+        rest = [r for r in order[data.eval_size:] if conversation_of(r["id"]) not in held]
+        if stats is not None and len(rest) < len(order) - data.eval_size:
+            stats[name].dropped[EVAL_SEGMENT] += len(order) - data.eval_size - len(rest)
         evals += [dict(r, split=EVAL) for r in order[:data.eval_size]]
-        trains += [dict(r, split="train") for r in order[data.eval_size:]]
+        trains += [dict(r, split="train") for r in rest]
     for group, tag in ((evals, "eval"), (trains, "train")):
         random.Random(f"{data.split_seed}:{tag}").shuffle(group)
         for rank, row in enumerate(group):
@@ -255,7 +273,7 @@ def run(params: DataParams, paths: Paths, report: Report) -> None:
         cleaned[name] = clean_source(name, records, src.format, params.max_user_turns, stats[name], edits[name])
         for note in stats[name].notes:
             console.print(f"[yellow]{name}: {note}[/yellow]")
-    ranked = split_and_rank(cleaned, params)
+    ranked = split_and_rank(cleaned, params, stats)
     metrics: dict[str, float] = {}
     for name, rows in ranked.items():
         write_jsonl(paths.prepared(name), rows)

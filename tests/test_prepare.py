@@ -116,3 +116,21 @@ def test_embedded_sharegpt_recovers_every_complete_record():
     n = sum(1 for _ in iter_records("embedded", None, "train", stats))
     assert n == stats.records and 17_000 < n < 18_000
     assert stats.dropped["truncated tail"] == 1
+
+
+def test_segments_of_a_held_out_conversation_are_never_trained_on():
+    from stages.prepare import EVAL_SEGMENT, conversation_of, split_and_rank
+
+    assert conversation_of("SGFlIg3_12") == conversation_of("SGFlIg3_0#1") == "SGFlIg3"
+    assert conversation_of("uc-05") == "uc-05"
+    msgs = [{"role": "user", "content": "q"}, {"role": "assistant", "content": "a"}]
+    rows = [{"id": f"c{c}_{k}", "source": "sg", "messages": msgs} for c in range(12) for k in range(3)]
+    data = DataParams(sources={"sg": SourceParams(kind="local", format="sharegpt", path="x")}, eval_size=4,
+                      scales={"small": 5})
+    stats = {"sg": LoadStats()}
+    out = split_and_rank({"sg": rows}, data, stats)["sg"]
+    held = {conversation_of(r["id"]) for r in out if r["split"] == "eval"}
+    train = [r for r in out if r["split"] == "train"]
+    assert len(held) >= 2 and not held & {conversation_of(r["id"]) for r in train}
+    assert len(out) + stats["sg"].dropped[EVAL_SEGMENT] == len(rows) and stats["sg"].dropped[EVAL_SEGMENT] > 0
+    assert sorted(r["scale_rank"] for r in train) == list(range(len(train)))
