@@ -13,9 +13,9 @@ Cleaning rules, applied in this order to every conversation (each counted in the
 
 Split and scales: each source's clean conversations are shuffled with `split_seed` (and capped at
 `max_conversations`); its first `eval_size` form the held-out `eval` split, and the other segments of those
-conversations (ShareGPT splits long ones into `<id>_0`, `<id>_1`, ...) are dropped, never trained on. The training rows of all sources are then
-shuffled together and numbered: `scale_rank` is a row's position in that order (eval rows are numbered the same way
-among eval rows). Scale `s` is every train row with `scale_rank < scales[s]`, so scales are nested by construction;
+conversations (ShareGPT splits long ones into `<id>_0`, `<id>_1`, ...) are dropped, never trained on. The training
+rows of all sources are then shuffled together and numbered: `scale_rank` is a row's position in that order (eval
+rows are numbered the same way among eval rows). Scale `s` is every train row with `scale_rank < scales[s]`, so scales are nested by construction;
 `used` marks the rows some scale or the eval split needs (the rest are kept for larger scales later).
 A scale larger than the training rows available is an error (a "large" scale that silently equals "small" would
 mislabel every result trained on it).
@@ -204,8 +204,9 @@ def split_and_rank(per_source: dict[str, list[dict]], data: DataParams,
                              f"data.eval_size={data.eval_size}; nothing would be left to train on")
         held = {conversation_of(r["id"]) for r in order[:data.eval_size]}
         rest = [r for r in order[data.eval_size:] if conversation_of(r["id"]) not in held]
-        if stats is not None and len(rest) < len(order) - data.eval_size:
-            stats[name].dropped[EVAL_SEGMENT] += len(order) - data.eval_size - len(rest)
+        segments = len(order) - data.eval_size - len(rest)
+        if stats is not None and segments:
+            stats[name].dropped[EVAL_SEGMENT] += segments
         evals += [dict(r, split=EVAL) for r in order[:data.eval_size]]
         trains += [dict(r, split="train") for r in rest]
     for group, tag in ((evals, "eval"), (trains, "train")):

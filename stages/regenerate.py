@@ -363,10 +363,6 @@ def keeps_dataset_answers(row: dict, params: RegenerateParams) -> bool:
     return limit is not None and row.get("split") == "train" and row.get("scale_rank", 0) >= limit
 
 
-def dataset_answers(row: dict) -> dict:
-    return dict(row, answers="dataset")
-
-
 def regenerate_rows(rows: list[dict], final: Path, params: RegenerateParams, target: TargetParams, paths: Paths,
                     backend: Backend | None = None, label: str = "regenerate") -> dict[str, float]:
     """Regenerate `rows` into `final` (resuming from its partial files); returns counts for the report.
@@ -376,12 +372,12 @@ def regenerate_rows(rows: list[dict], final: Path, params: RegenerateParams, tar
 
     fp = fingerprint_of(params, target)
     order = canonical_order(rows)
-    kept_as_is = {r["id"]: dataset_answers(r) for r in order if keeps_dataset_answers(r, params)}
+    kept_as_is = {r["id"]: dict(r, answers="dataset") for r in order if keeps_dataset_answers(r, params)}
     done = {**read_partials(final, fp), **kept_as_is}
     size = params.batch_size * params.window
     to_generate = [r for r in order if r["id"] not in kept_as_is]
     todo = [(w, win) for w, win in enumerate(windows(to_generate, size)) if any(r["id"] not in done for r in win)]
-    resumed = sum(r["id"] in done for r in order) - len(kept_as_is)
+    resumed = sum(r["id"] in done for r in to_generate)
     tokens = sum(d.get("gen_tokens", 0) for d in done.values())
     t0 = time.perf_counter()
     new_tokens = 0
@@ -508,7 +504,8 @@ def run(params: RegenerateParams, target: TargetParams, sources: list[str], path
                                 label=f"regenerate {source}")
         console.print(f"regenerate {source}: {stats['kept']:,}/{stats['conversations']:,} conversations kept "
                       f"({stats['resumed']:,} resumed), {stats['new_tokens']:,} new tokens at "
-                      f"{stats['tokens_per_s']:.0f} tok/s{_kept_as_is(stats)}; dropped {stats['dropped']:,}{_reasons(stats)}, ended early "
+                      f"{stats['tokens_per_s']:.0f} tok/s{_kept_as_is(stats)}; dropped {stats['dropped']:,}"
+                      f"{_reasons(stats)}, ended early "
                       f"{stats['ended_early']:,}, answers cut at max_new_tokens {stats['answers_cut']:,}")
         metrics.update({f"regenerate/{source}/{k}": float(v) for k, v in stats.items()})
     report(metrics)
