@@ -3,9 +3,12 @@
 Prints tokens/s of plain greedy `generate` (the reference), our loop with speculation off, transformers'
 prompt-lookup decoding, and tree speculative decoding with a drafter (a trained run dir via --checkpoint, else
 an untrained one) at a small CPU tree and at the paper's (8, 10, 60); an oracle drafter (the target's own greedy
-continuation) gives the ceiling of each tree. Also the target's verify cost t(n)/t(1). Ends with one summary line.
+continuation) gives the ceiling of each tree. `--lookup N` adds n-gram lookup alone through our loop and the
+drafter with a lookup branch of up to N tokens grafted onto its trees. Also the target's verify cost t(n)/t(1).
+Ends with one summary line.
 
     .venv/bin/python benchmarks/e2e.py [--checkpoint runs/scale/<trial>] [--cpu-tree 4,2,8 5,2,10] [--prompts 8]
+                                       [--lookup 8]
 """
 from __future__ import annotations
 
@@ -23,8 +26,8 @@ os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 
 import torch  # noqa: E402
 
-from models.decoding import (DecodeResult, DrafterProposer, OracleProposer, TreeSpec, greedy_generate,  # noqa: E402
-                             lossless_at_near_tie, prompt_lookup_generate, speculative_generate)
+from models.decoding import (DecodeResult, DrafterProposer, LookupProposer, OracleProposer, TreeSpec,  # noqa: E402
+                             greedy_generate, lossless_at_near_tie, prompt_lookup_generate, speculative_generate)
 from models.target import Target, load_target  # noqa: E402
 
 
@@ -134,6 +137,7 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--paper-tree", default="8,10,60")
     ap.add_argument("--tie-tolerance", type=float, default=0.25)
     ap.add_argument("--no-oracle", action="store_true")
+    ap.add_argument("--lookup", type=int, default=0, help="lookup branch of up to N tokens (0: none)")
     ap.add_argument("--workspace", type=Path, default=ROOT, help="the workspace whose held-out prompts to decode")
     args = ap.parse_args(argv)
 
@@ -156,7 +160,10 @@ def main(argv: list[str] | None = None) -> None:
           + ", ".join(f"n={n}: {c / cost[1]:.2f}" for n, c in cost.items()))
 
     greedy_generate(target, prompts[0], 8, eos_token_id=eos)   # warm-up
-    methods = ["greedy", "spec-off", "prompt-lookup"] + [f"{dname} {k}" for k in trees]
+    methods = ["greedy", "spec-off", "prompt-lookup"] + (["lookup (our loop)"] if args.lookup else [])
+    methods += [f"{dname} {k}" for k in trees]
+    if args.lookup:
+        methods += [f"{dname}+lookup {k}" for k in trees if k != "paper"]
     if not args.no_oracle:
         methods += [f"oracle {k}" for k in trees]
     tally = {m: Tally() for m in methods}
@@ -166,9 +173,16 @@ def main(argv: list[str] | None = None) -> None:
         runs = {"greedy": ref,
                 "spec-off": speculative_generate(target, prompt, n_new, eos_token_id=eos),
                 "prompt-lookup": prompt_lookup_generate(target, prompt, n_new, eos_token_id=eos)}
+        if args.lookup:
+            runs["lookup (our loop)"] = speculative_generate(target, prompt, n_new, LookupProposer(None, args.lookup),
+                                                             [0, 1, 1], eos_token_id=eos)
         for k, spec in trees.items():
             runs[f"{dname} {k}"] = speculative_generate(target, prompt, n_new, DrafterProposer(drafter, target), spec,
                                                         eos_token_id=eos)
+            if args.lookup and k != "paper":
+                runs[f"{dname}+lookup {k}"] = speculative_generate(
+                    target, prompt, n_new, LookupProposer(DrafterProposer(drafter, target), args.lookup), spec,
+                    eos_token_id=eos)
             if not args.no_oracle:
                 # bf16 verification can leave plain greedy at a near-tie, after which greedy's text is no oracle:
                 # a first pass finds the loop's own output, the timed pass proposes exactly that

@@ -2,6 +2,9 @@
 
 For each trained drafter: the fastest of `tree_candidates` (picked on the first prompts) and the paper's tree are
 decoded over every prompt; plain greedy `generate` on the same prompts, in the same run, is the speedup reference.
+With `lookup_tokens > 0` each drafter is also decoded with a prompt-lookup branch grafted onto its tree (row kind
+`tuned_lookup`, its own fastest candidate), and lookup alone through the same loop is a baseline beside
+transformers' prompt lookup.
 Every output is checked against plain greedy: in fp32 it must be identical; in bf16 it may leave greedy only at a
 near-tie (top-2 logit gap <= tie_tolerance).
 """
@@ -29,6 +32,8 @@ class E2EParams(Section):
     tie_tolerance: float = Field(0.25, ge=0)   # bf16 near-tie: top-2 logit gap at a first divergence
     checkpoints: list[str] = []           # extra run dirs to decode with
     prompt_lookup: bool = True            # also measure transformers' prompt-lookup decoding
+    lookup_tokens: int = Field(0, ge=0)   # n-gram lookup branch grafted onto each drafter's tree (0: none)
+    lookup_ngram: int = Field(3, ge=1)    # longest n-gram the lookup matches
 
 
 def first_user_turns(rows: list[dict], where: str) -> list[str]:
@@ -101,8 +106,8 @@ def run(params: E2EParams, run_dirs, paths: Paths, report: Report, *, target: Ta
     import torch
     from rich.progress import Progress
 
-    from models.decoding import (DrafterProposer, TreeSpec, greedy_generate, prompt_lookup_generate,
-                                 speculative_generate)
+    from models.decoding import (DrafterProposer, LookupProposer, TreeSpec, greedy_generate,
+                                 prompt_lookup_generate, speculative_generate)
     from stages import checkpoint as ckpt
 
     run_dirs = ckpt.trained_run_dirs(
@@ -124,6 +129,13 @@ def run(params: E2EParams, run_dirs, paths: Paths, report: Report, *, target: Ta
                     params.tie_tolerance, exact_required)
         baselines.update(prompt_lookup_tokens_per_s=pl["tokens_per_s"], prompt_lookup_speedup=pl["speedup"],
                          prompt_lookup_tau=pl["tau"])
+    if params.lookup_tokens:
+        alone = _tally([speculative_generate(tgt, p, n_new, LookupProposer(None, params.lookup_tokens,
+                                                                           params.lookup_ngram),
+                                             [0, 1, 1], eos_token_id=eos) for p in prompts],
+                       refs, params.tie_tolerance, exact_required)
+        baselines.update(lookup_loop_speedup=alone["speedup"], lookup_loop_tau=alone["tau"],
+                         lookup_loop_lossless=alone["lossless"])
     report({"baseline_tokens_per_s": sum(len(r.tokens) for r in refs) / sum(r.seconds for r in refs), **baselines})
 
     rows: list[dict] = []
@@ -132,25 +144,33 @@ def run(params: E2EParams, run_dirs, paths: Paths, report: Report, *, target: Ta
             drafter, config = ckpt.load_drafter(run_dir, tgt)
             setting = _setting(run_dir, config, paths.root)
 
-            def decode(spec: TreeSpec, ps: list) -> list:
-                return [speculative_generate(tgt, p, n_new, DrafterProposer(drafter, tgt), spec, eos_token_id=eos)
-                        for p in ps]
+            def decode(spec: TreeSpec, ps: list, lookup: int) -> list:
+                def proposer():
+                    inner = DrafterProposer(drafter, tgt)
+                    return LookupProposer(inner, lookup, params.lookup_ngram) if lookup else inner
+                return [speculative_generate(tgt, p, n_new, proposer(), spec, eos_token_id=eos) for p in ps]
 
-            task = bar.add_task(f"e2e {run_dir.name}", total=len(candidates) * TUNE_PROMPTS + 2 * len(prompts))
+            lookups = [0] + ([params.lookup_tokens] if params.lookup_tokens else [])
+            task = bar.add_task(f"e2e {run_dir.name}", total=len(lookups) * (len(candidates) * TUNE_PROMPTS
+                                                                           + len(prompts)) + len(prompts))
             k = min(TUNE_PROMPTS, len(prompts))
-            speed = []
-            for spec in candidates:
-                speed.append(_tally(decode(spec, prompts[:k]), refs[:k], params.tie_tolerance, False)["speedup"])
-                bar.advance(task, TUNE_PROMPTS)
-            tuned = candidates[max(range(len(candidates)), key=speed.__getitem__)] if candidates else None
-            for kind, spec in (("tuned", tuned), ("paper", paper)):
-                if spec is None:
-                    continue
-                m = _tally(decode(spec, prompts), refs, params.tie_tolerance, exact_required)
+            plan = []
+            for lookup in lookups:
+                speed = []
+                for spec in candidates:
+                    speed.append(_tally(decode(spec, prompts[:k], lookup), refs[:k], params.tie_tolerance,
+                                        False)["speedup"])
+                    bar.advance(task, TUNE_PROMPTS)
+                if candidates:
+                    best = candidates[max(range(len(candidates)), key=speed.__getitem__)]
+                    plan.append(("tuned_lookup" if lookup else "tuned", best, lookup))
+            plan.append(("paper", paper, 0))
+            for kind, spec, lookup in plan:
+                m = _tally(decode(spec, prompts, lookup), refs, params.tie_tolerance, exact_required)
                 bar.advance(task, len(prompts))
-                row = {**setting, "tree": spec.as_list(), "tree_kind": kind, **m, **baselines, "status": "ok",
-                       "dtype": params.dtype, "num_prompts": len(prompts), "max_new_tokens": n_new,
-                       "tie_tolerance": params.tie_tolerance}
+                row = {**setting, "tree": spec.as_list(), "tree_kind": kind, "lookup_tokens": lookup, **m,
+                       **baselines, "status": "ok", "dtype": params.dtype, "num_prompts": len(prompts),
+                       "max_new_tokens": n_new, "tie_tolerance": params.tie_tolerance}
                 rows.append(row)
                 report({f"{kind}/{key}": float(row[key]) for key in
                         ("tau", "tokens_per_s", "speedup", "draft_time_share", "exact_match", "lossless")})

@@ -243,6 +243,11 @@ class E2EGroup:
     tuned_tree: Any
     lossless: bool | None
     n_rows: int
+    lookup: dict[str, Stat | None] | None = None    # the tuned tree with a prompt-lookup branch, when decoded
+    lookup_tree: Any = None
+
+
+LOOKUP_KIND = "tuned_lookup"
 
 
 def _tree_kind(row: dict) -> str:
@@ -258,6 +263,16 @@ def _e2e_stats(rows: list[dict]) -> dict[str, Stat | None]:
     return {k: Stat.of(r.get(k) for r in rows) for k in keys}
 
 
+def _fastest(rows: list[dict]) -> tuple[Any, list[dict]]:
+    """Rows of several trees for one setting: the fastest tree (as the e2e stage would pick it) and its rows."""
+    by_tree: dict[str, list[dict]] = {}
+    for r in rows:
+        by_tree.setdefault(json.dumps(r.get("tree")), []).append(r)
+    speed = {t: Stat.of(r.get("speedup") for r in rs) for t, rs in by_tree.items()}
+    best = max(sorted(by_tree), key=lambda t: speed[t].mean if speed[t] else -1.0, default=None)
+    return (json.loads(best), by_tree[best]) if best is not None else (None, [])
+
+
 def aggregate_e2e(rows: list[dict], trial_settings: dict[str, dict]) -> list[E2EGroup]:
     """Group e2e rows by setting; a row whose trial is a step-wise trial takes that trial's setting fields."""
     groups: dict[tuple, list[dict]] = {}
@@ -270,18 +285,12 @@ def aggregate_e2e(rows: list[dict], trial_settings: dict[str, dict]) -> list[E2E
     out = []
     for key, group in groups.items():
         paper = [r for r in group if _tree_kind(r) == "paper"]
-        others = [r for r in group if _tree_kind(r) != "paper"]
-        by_tree: dict[str, list[dict]] = {}
-        for r in others:
-            by_tree.setdefault(json.dumps(r.get("tree")), []).append(r)
-        # Several tuned trees for one setting: report the fastest, as the e2e stage would pick it.
-        speed = {t: Stat.of(r.get("speedup") for r in rs) for t, rs in by_tree.items()}
-        best = max(sorted(by_tree), key=lambda t: speed[t].mean if speed[t] else -1.0, default=None)
-        tuned = by_tree.get(best, []) if best is not None else []
+        tuned_tree, tuned = _fastest([r for r in group if _tree_kind(r) not in ("paper", LOOKUP_KIND)])
+        lookup_tree, lookup = _fastest([r for r in group if _tree_kind(r) == LOOKUP_KIND])
         lossless = [r.get("lossless") for r in group if r.get("lossless") is not None]
-        out.append(E2EGroup(dict(zip(SETTING_KEYS, key)), _e2e_stats(paper), _e2e_stats(tuned),
-                            json.loads(best) if best is not None else None,
-                            all(lossless) if lossless else None, len(group)))
+        out.append(E2EGroup(dict(zip(SETTING_KEYS, key)), _e2e_stats(paper), _e2e_stats(tuned), tuned_tree,
+                            all(lossless) if lossless else None, len(group),
+                            _e2e_stats(lookup) if lookup else None, lookup_tree))
     return out
 
 
@@ -591,9 +600,10 @@ def scale_table(settings: list[Setting], e2e: list[E2EGroup], paper: dict | None
     def match(fields: dict, g: E2EGroup) -> bool:
         return all(g.fields.get(k) == fields.get(k) for k in SETTING_KEYS)
 
+    with_lookup = any(g.lookup for g in e2e)
     header = ["variant", "data scale", "seeds", "MAT (step-wise)", f"τ {_tree(list(PAPER_TREE))}",
               f"τ {_tree(list(PAPER_TREE))} {PAPER_LABEL}", "tuned tree", "τ (tuned)", "speedup (tuned)",
-              "drafting share", "exact match", "lossless"]
+              "drafting share", "exact match", "lossless"] + (["speedup, tuned + lookup (τ)"] if with_lookup else [])
     used: set[int] = set()
     lines: list[tuple[dict, Setting | None, E2EGroup | None]] = []
     for s in settings:
@@ -619,9 +629,31 @@ def scale_table(settings: list[Setting], e2e: list[E2EGroup], paper: dict | None
                          _s(share, pct=True), _s(exact, pct=True)]
         lossless = "–" if g is None or g.lossless is None else ("yes" if g.lossless else "NO")
         paper_tau = f"{prow['tau_paper_tree']:.2f}" if prow and prow.get("tau_paper_tree") is not None else "–"
+        lookup = []
+        if with_lookup:
+            lk = g.lookup if g is not None else None
+            lookup = [f"{_s(lk['speedup'])} ({_s(lk['tau'])}) at {_tree(g.lookup_tree)}" if lk else "–"]
         rows.append([name, scale_cell(fields.get("scale")), seeds, mat, e2e_cells[0], paper_tau, *e2e_cells[1:],
-                     lossless])
+                     lossless, *lookup])
     return md_table(header, rows)
+
+
+def e2e_baselines(rows: list[dict]) -> str:
+    """The baselines decoded in the same run as the drafters (means over the rows that carry them)."""
+    def mean(key: str) -> float | None:
+        vals = [float(r[key]) for r in rows if isinstance(r.get(key), (int, float)) and r.get("status", "ok") == "ok"]
+        return sum(vals) / len(vals) if vals else None
+
+    parts = []
+    if (base := mean("baseline_tokens_per_s")) is not None:
+        parts.append(f"plain greedy `generate` {base:.1f} tokens/s (the speedup reference)")
+        if (off := mean("spec_off_tokens_per_s")) is not None:
+            parts.append(f"our loop with speculation off {off / base:.2f}x")
+    if (pl := mean("prompt_lookup_speedup")) is not None:
+        parts.append(f"transformers' prompt lookup {pl:.2f}x (τ {mean('prompt_lookup_tau'):.2f})")
+    if (lk := mean("lookup_loop_speedup")) is not None:
+        parts.append(f"n-gram lookup alone in our loop {lk:.2f}x (τ {mean('lookup_loop_tau'):.2f})")
+    return ("Baselines in the same run: " + "; ".join(parts) + ".") if parts else ""
 
 
 # -- figures --------------------------------------------------------------------------------------------------
@@ -860,6 +892,9 @@ def run(params: ReportParams, context: dict, paths: Paths, report: Report) -> No
             if e2e is None:
                 md += ["**missing**: no `metrics/e2e.json` (nothing was decoded end to end).", ""]
             md += [scale_table(settings or [], e2e or [], paper, context.get("data_sizes") or {}), ""]
+            baselines = e2e_baselines(e2e_rows or [])
+            if baselines:
+                md += [baselines, ""]
             note = _paper_notes(paper, ["tau_paper_tree"])
             md += [x for x in (note, (paper or {}).get("note", "").strip()) if x]
             md.append("")

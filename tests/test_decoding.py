@@ -341,3 +341,82 @@ def test_drafter_in_decoding_sees_what_it_sees_in_training(kw):
         torch.testing.assert_close(logits, ref[k, 0, t], atol=1e-4, rtol=1e-4)
         checked += 1
     assert checked >= seq.numel() - prompt.numel()
+
+
+# -- prompt lookup as a draft source --------------------------------------------------------------------------------
+
+from models.decoding import LookupProposer, NgramIndex, graft_chain  # noqa: E402
+
+
+def naive_continuation(seq: list[int], max_ngram: int, num_tokens: int) -> list[int]:
+    """Latest earlier occurrence of the longest suffix n-gram, by scanning."""
+    for n in range(min(max_ngram, len(seq) - 1), 0, -1):
+        for start in range(len(seq) - n - 1, -1, -1):
+            if seq[start:start + n] == seq[-n:]:
+                return seq[start + n:start + n + num_tokens]
+    return []
+
+
+def test_ngram_index_matches_a_scan():
+    g = torch.Generator().manual_seed(0)
+    for trial in range(30):
+        seq = torch.randint(0, 4 + trial % 5, (40,), generator=g).tolist()
+        index = NgramIndex(max_ngram=3)
+        index.extend(seq[:7])
+        for cut in range(7, 40):
+            assert index.continuation(seq[cut], 5) == naive_continuation(seq[:cut + 1], 3, 5), (trial, cut)
+            index.extend([seq[cut]])
+    index = NgramIndex(2)
+    index.extend([1, 2, 3, 9, 2, 3, 7, 8])
+    assert index.continuation(3, 4) == [7, 8, 3]          # (2, 3) last seen before 7: the latest occurrence wins
+    assert index.continuation(5, 4) == []                  # never seen
+    with pytest.raises(ValueError, match="max_ngram=0"):
+        NgramIndex(0)
+
+
+def test_graft_chain_shares_the_prefix_and_keeps_the_tree_valid():
+    tree = DraftTree(torch.tensor([9, 4, 5, 6]), torch.tensor([-1, 0, 0, 1]), torch.tensor([0, 1, 1, 2]))
+    grafted = graft_chain(tree, [4, 6, 7, 8])
+    assert grafted.tokens.tolist() == [9, 4, 5, 6, 7, 8]
+    assert grafted.parents.tolist() == [-1, 0, 0, 1, 3, 4] and grafted.depths.tolist() == [0, 1, 1, 2, 3, 4]
+    assert (9, 4, 6, 7, 8) in tree_paths(grafted) and set(tree_paths(tree)) <= set(tree_paths(grafted))
+    new = graft_chain(tree, [1, 2])                        # no shared prefix: a fresh branch under the root
+    assert new.parents.tolist()[4:] == [0, 4] and new.depths.tolist()[4:] == [1, 2]
+    assert graft_chain(tree, []) is tree and graft_chain(tree, [4, 6]).size == 4
+    mask = grafted.ancestor_mask()
+    for i, parent in enumerate(grafted.parents.tolist()):
+        if parent >= 0:
+            assert mask[i, parent] and mask[i].sum() == grafted.depths[i] + 1
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen3"])
+def test_lossless_fp32_with_lookup(arch):
+    tgt = tiny(arch)
+    drafter = make_drafter(tgt, draft_vocab_size=48, variant="eagle3", depth=1)
+    drafter.set_vocab(torch.arange(48))
+    for seed, prompt in enumerate([random_prompt(10, 0, vocab=64), torch.tensor([5, 6, 7, 8, 9] * 4)]):
+        ref = greedy_generate(tgt, prompt, 32)
+        alone = speculative_generate(tgt, prompt, 32, LookupProposer(num_tokens=6), [0, 1, 1])
+        grafted = speculative_generate(tgt, prompt, 32, LookupProposer(DrafterProposer(drafter, tgt), 6),
+                                       [3, 2, 6])
+        for res in (alone, grafted):
+            assert res.tokens == ref.tokens, (arch, seed, first_divergence(ref.tokens, res.tokens))
+
+
+def test_lookup_rounds_accept_what_the_lookup_predicted():
+    """Each round emits the longest prefix of the n-gram continuation that matches plain greedy, plus one."""
+    tgt = tiny("llama")
+    for prompt in (random_prompt(12, 5, vocab=8), torch.tensor([5, 6, 7, 8, 9] * 4)):
+        ref = greedy_generate(tgt, prompt, 48).tokens    # the last round may draft past the 40 asked for
+        res = speculative_generate(tgt, prompt, 40, LookupProposer(num_tokens=4, max_ngram=2), [0, 1, 1])
+        assert res.tokens == ref[:40]
+        seq, emitted, expected = prompt.tolist(), 1, []
+        while emitted < 40:
+            draft = naive_continuation(seq + ref[:emitted], 2, 4)
+            n = 0
+            while n < len(draft) and draft[n] == ref[emitted + n]:
+                n += 1
+            expected.append(n + 1)
+            emitted += n + 1
+        assert res.accept_lengths == expected
+    assert max(res.accept_lengths) > 1            # the repeated prompt is copied

@@ -27,20 +27,21 @@ def test_e2e_stage_writes_rows(tmp_path, run_dir, embedded_target):
     write_text_atomic(prompts, "\n".join(json.dumps({"id": str(i), "source": "t", "messages": [
         {"role": "user", "content": c}]}) for i, c in enumerate(["Say hello.", "Name a colour."])) + "\n")
     params = E2EParams(prompts=str(prompts), num_prompts=2, max_new_tokens=8, paper_tree=[3, 3, 8],
-                       tree_candidates=[[2, 1, 3], [2, 2, 5]], prompt_lookup=True)
+                       tree_candidates=[[2, 1, 3], [2, 2, 5]], prompt_lookup=True, lookup_tokens=4)
     seen = []
     rows = run(params, [run_dir], Paths(tmp_path), lambda m, step=None: seen.append(m), target=TargetParams(),
                loaded_target=embedded_target)
     on_disk = json.loads((tmp_path / "metrics" / "e2e.json").read_text())
-    assert on_disk == json.loads(json.dumps(rows)) and [r["tree_kind"] for r in rows] == ["tuned", "paper"]
+    assert on_disk == json.loads(json.dumps(rows)) and [r["tree_kind"] for r in rows] == ["tuned", "tuned_lookup", "paper"]
     for r in rows:
         assert r["trial"] == "hybrid-small" and r["variant"] == "hybrid" and r["scale"] == "small"
         assert r["tau"] >= 1.0 and r["tokens_per_s"] > 0 and r["baseline_tokens_per_s"] > 0
         assert r["speedup"] == pytest.approx(r["tokens_per_s"] / r["baseline_tokens_per_s"])
         assert 0 <= r["draft_time_share"] < 1 and 0 <= r["exact_match"] <= 1 and r["lossless"] is True
-        assert r["prompt_lookup_tau"] >= 1.0
+        assert r["prompt_lookup_tau"] >= 1.0 and r["lookup_loop_tau"] >= 1.0 and r["lookup_loop_lossless"] is True
+        assert r["lookup_tokens"] == (4 if r["tree_kind"] == "tuned_lookup" else 0)
         assert r["run_dir"] == "runs/scale/hybrid-small"   # relative to the workspace: metrics travel
-    assert rows[1]["tree"] == [3, 3, 8] and rows[0]["tree"] in ([2, 1, 3], [2, 2, 5])
+    assert rows[2]["tree"] == [3, 3, 8] and {tuple(r["tree"]) for r in rows[:2]} <= {(2, 1, 3), (2, 2, 5)}
     assert any("paper/tau" in m for m in seen) and any("spec_off_tokens_per_s" in m for m in seen)
 
 
