@@ -15,9 +15,15 @@ prompts are sorted by length into left-padded batches. Finished (or dropped) con
 file as soon as they finish (flush + fsync). A restarted run skips every conversation already in the partial file
 and recomputes only unfinished windows, whose batches are the same as before, so a killed and restarted greedy run
 writes the same final file as an uninterrupted one. The final file is written atomically in the fixed order.
+
+Reuse: beside the final file a small record (`.<name>.done.json`) keeps the settings it was made under and a hash
+of each conversation's input. A later run under the same settings (more rows after a scale grows, say) reuses every
+finished conversation whose input is unchanged, dropped ones included, and generates only the rest, in windows of
+their own: the new rows are batched as a fresh run over them alone would batch them.
 """
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import time
@@ -293,6 +299,40 @@ class PartialWriter:
         self.f.close()
 
 
+def finished_path(final: Path) -> Path:
+    return final.parent / f".{final.name}.done.json"
+
+
+def input_key(row: dict) -> str:
+    """What a regenerated conversation was made from: its prepared messages."""
+    return hashlib.sha256(json.dumps(row["messages"], sort_keys=True, ensure_ascii=False).encode()).hexdigest()[:16]
+
+
+def read_finished(final: Path, fingerprint: dict, rows: list[dict]) -> dict[str, dict]:
+    """Conversations of an earlier finished run (same settings, same input) that `rows` asks for again."""
+    record = finished_path(final)
+    if not (record.is_file() and final.is_file()):
+        return {}
+    try:
+        meta = json.loads(record.read_text())
+        previous = read_jsonl(final) + list(meta.get("dropped", []))
+    except (json.JSONDecodeError, StageError, AttributeError):
+        return {}                          # an unreadable record: nothing is reused, everything is regenerated
+    if not isinstance(meta, dict) or meta.get("fingerprint") != fingerprint:
+        return {}
+    made_from = meta.get("inputs", {})
+    wanted = {r["id"]: input_key(r) for r in rows}
+    return {r["id"]: r for r in previous
+            if isinstance(r, dict) and r.get("id") in wanted and made_from.get(r["id"]) == wanted[r["id"]]}
+
+
+def write_finished(final: Path, fingerprint: dict, rows: list[dict], done: dict[str, dict]) -> None:
+    record = {"fingerprint": fingerprint, "inputs": {r["id"]: input_key(r) for r in rows},
+              "dropped": [done[r["id"]] for r in rows if "dropped" in done[r["id"]]]}
+    with atomic_path(finished_path(final)) as tmp:
+        tmp.write_text(json.dumps(record, ensure_ascii=False))
+
+
 def fingerprint_of(params: RegenerateParams, target: TargetParams) -> dict:
     """Settings that change the answers: a partial file made under others is not resumed."""
     keep = ("backend", "server_model", "max_new_tokens", "temperature", "top_p", "batch_size", "window",
@@ -373,11 +413,13 @@ def regenerate_rows(rows: list[dict], final: Path, params: RegenerateParams, tar
     fp = fingerprint_of(params, target)
     order = canonical_order(rows)
     kept_as_is = {r["id"]: dict(r, answers="dataset") for r in order if keeps_dataset_answers(r, params)}
-    done = {**read_partials(final, fp), **kept_as_is}
-    size = params.batch_size * params.window
     to_generate = [r for r in order if r["id"] not in kept_as_is]
+    finished = read_finished(final, fp, to_generate)
+    to_generate = [r for r in to_generate if r["id"] not in finished]
+    done = {**finished, **read_partials(final, fp), **kept_as_is}
+    size = params.batch_size * params.window
     todo = [(w, win) for w, win in enumerate(windows(to_generate, size)) if any(r["id"] not in done for r in win)]
-    resumed = sum(r["id"] in done for r in to_generate)
+    resumed = sum(r["id"] in done for r in to_generate) + len(finished)
     tokens = sum(d.get("gen_tokens", 0) for d in done.values())
     t0 = time.perf_counter()
     new_tokens = 0
@@ -406,15 +448,17 @@ def regenerate_rows(rows: list[dict], final: Path, params: RegenerateParams, tar
                     bar.update(task, tokens=tokens + new_tokens, tps=new_tokens / max(dt, 1e-9))
             finally:
                 writer.close()
-    done = {**read_partials(final, fp), **kept_as_is}
+    done = {**finished, **read_partials(final, fp), **kept_as_is}
     missing = [r["id"] for r in order if r["id"] not in done]
     if missing:
         raise StageError(f"{final}: {len(missing)} conversations were not regenerated (first: {missing[0]})")
     kept = [done[r["id"]] for r in order if "dropped" not in done[r["id"]]]
+    finished_path(final).unlink(missing_ok=True)      # never a record beside a final file it does not describe
     with atomic_path(final) as tmp:
         with tmp.open("w") as f:
             for row in kept:
                 f.write(json.dumps(row, ensure_ascii=False) + "\n")
+    write_finished(final, fp, [r for r in order if r["id"] not in kept_as_is], done)
     for p in partial_paths(final):
         p.unlink()
     dt = time.perf_counter() - t0

@@ -175,3 +175,32 @@ def test_rows_past_the_budget_keep_the_dataset_answers_and_are_never_generated(t
         assert got[f"c{i}"]["messages"] == rows[i]["messages"] and got[f"c{i}"]["answers"] == "dataset"
     assert got["c4"]["messages"][1]["content"].startswith("re:")   # eval rows are always the target's
     assert stats["resumed"] == 0 and stats["conversations"] == 6
+
+
+def test_a_grown_row_set_reuses_the_finished_conversations(tmp_path):
+    final = tmp_path / "out.jsonl"
+    params = RegenerateParams(batch_size=2, window=1)
+    first = regenerate_rows([conv(i) for i in range(4)], final, params, TargetParams(), Paths(tmp_path),
+                            backend=EchoBackend())
+    before = {r["id"]: r for r in read_jsonl(final)}
+    assert first["resumed"] == 0 and set(before) == {"c0", "c2", "c3"}      # c1 dropped
+
+    backend = EchoBackend()
+    stats = regenerate_rows([conv(i) for i in range(6)], final, params, TargetParams(), Paths(tmp_path),
+                            backend=backend)
+    asked = {h[-1]["content"].split(".")[0] for h in backend.seen}
+    assert asked == {"q4", "q5"}                   # finished (and dropped) conversations are not asked again
+    after = {r["id"]: r for r in read_jsonl(final)}
+    assert set(after) == {"c0", "c2", "c3", "c4", "c5"} and stats["resumed"] == 4 and stats["dropped"] == 1
+    assert all(after[k] == before[k] for k in before)
+
+    changed = [conv(i) for i in range(6)]
+    changed[0]["messages"][0]["content"] = "a new question"
+    backend = EchoBackend()
+    regenerate_rows(changed, final, params, TargetParams(), Paths(tmp_path), backend=backend)
+    assert backend.seen and all(h[0]["content"] == "a new question" for h in backend.seen)   # only the changed one
+
+    backend = EchoBackend()                          # other settings: nothing is reused
+    regenerate_rows(changed, final, RegenerateParams(batch_size=3, window=1), TargetParams(), Paths(tmp_path),
+                    backend=backend)
+    assert len({h[0]["content"] for h in backend.seen}) == 6
