@@ -54,6 +54,9 @@ def sharegpt_prompts(n: int, max_chars: int = 600, workspace: Path = ROOT) -> li
                 return out
     from stages.prepare import sample_conversations
 
+    if prepared.is_file():
+        print(f"note: {workspace} has {len(out)} clean held-out prompts; the other {n - len(out)} come from the "
+              "packaged ShareGPT sample and may be among its training rows", file=sys.stderr)
     out += [row["messages"][0]["content"] for row in sample_conversations(n - len(out), max_chars)]
     return out
 
