@@ -257,7 +257,7 @@ def read_partials(final: Path, fingerprint: dict) -> dict[str, dict]:
     """Conversations finished by earlier (killed) runs; partials of other settings are discarded."""
     done: dict[str, dict] = {}
     for p in partial_paths(final):
-        lines = p.read_text().splitlines()
+        lines = [line for line in p.read_text().split("\n") if line]   # not splitlines(): text may hold U+2028
         try:
             header = json.loads(lines[0]) if lines else {}
         except json.JSONDecodeError:

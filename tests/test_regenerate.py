@@ -204,3 +204,14 @@ def test_a_grown_row_set_reuses_the_finished_conversations(tmp_path):
     regenerate_rows(changed, final, RegenerateParams(batch_size=3, window=1), TargetParams(), Paths(tmp_path),
                     backend=backend)
     assert len({h[0]["content"] for h in backend.seen}) == 6
+
+
+def test_answers_with_unicode_line_separators_survive_the_partial_file(tmp_path):
+    """JSON keeps U+2028 and U+0085 raw (ensure_ascii=False): lines are split on newlines only."""
+    rows = [conv(i, turns=1) for i in range(3)]
+    rows[0]["messages"][0]["content"] = "first\u2028second\x85third"
+    final = tmp_path / "out.jsonl"
+    regenerate_rows(rows, final, RegenerateParams(batch_size=2, window=1), TargetParams(), Paths(tmp_path),
+                    backend=EchoBackend())
+    got = {r["id"]: r for r in read_jsonl(final)}
+    assert got["c0"]["messages"][1]["content"] == "re:first\u2028second\x85third" and len(got) == 2   # c1 dropped
