@@ -735,7 +735,8 @@ def plot_retention(studies: dict[str, list[Setting]], papers: dict, path: Path, 
 
 
 def plot_e2e(groups: list[E2EGroup], path: Path, params: ReportParams) -> None:
-    """tau at the paper and the tuned tree, and speedup at the tuned tree, per decoded setting."""
+    """tau at the paper and the tuned tree, and speedup at the tuned tree (with the lookup branch beside it, when
+    decoded), per decoded setting."""
     plt, fig, (ax1, ax2) = _figure(params, 1, 2)
     short = {**VARIANT_NAMES, "eagle3": "EAGLE-3"}
     names = [f"{short.get(g.fields.get('variant'), g.fields.get('variant'))}"
@@ -748,11 +749,18 @@ def plot_e2e(groups: list[E2EGroup], path: Path, params: ReportParams) -> None:
         ax1.bar([i + off for i in x], [s.mean if s else 0 for s in stats], w,
                 yerr=[(s.std or 0) if s else 0 for s in stats], color=color, label=lab, error_kw={"lw": 1})
     ax1.set(ylabel="τ (accepted + 1 per round)", title="τ")
-    sp = [g.tuned["speedup"] for g in groups]
-    ax2.bar(list(x), [s.mean if s else 0 for s in sp], 0.6, yerr=[(s.std or 0) if s else 0 for s in sp],
-            color="tab:green", error_kw={"lw": 1})
+    bars = [("tuned", "tab:green", "drafter")]
+    if any(g.lookup for g in groups):
+        bars.append(("lookup", "tab:purple", "drafter + lookup branch"))
+    w2 = 0.6 / len(bars)
+    for i, (kind, color, lab) in enumerate(bars):
+        sp = [(getattr(g, kind) or {}).get("speedup") for g in groups]
+        ax2.bar([j + (i - (len(bars) - 1) / 2) * w2 for j in x], [s.mean if s else 0 for s in sp], w2,
+                yerr=[(s.std or 0) if s else 0 for s in sp], color=color, label=lab, error_kw={"lw": 1})
     ax2.axhline(1.0, color="0.3", lw=1, ls="--")
     ax2.set(ylabel="speedup vs greedy", title="speedup (tuned tree)")
+    if len(bars) > 1:
+        ax2.legend(fontsize=7)
     for ax in (ax1, ax2):
         ax.set_xticks(list(x), names, fontsize=7, rotation=30, ha="right")
         ax.grid(axis="y", alpha=0.3)
