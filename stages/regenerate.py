@@ -315,10 +315,13 @@ def read_finished(final: Path, fingerprint: dict, rows: list[dict]) -> dict[str,
         return {}
     try:
         meta = json.loads(record.read_text())
-        previous = read_jsonl(final) + list(meta.get("dropped", []))
-    except (json.JSONDecodeError, StageError, AttributeError):
+    except json.JSONDecodeError:
         return {}                          # an unreadable record: nothing is reused, everything is regenerated
     if not isinstance(meta, dict) or meta.get("fingerprint") != fingerprint:
+        return {}
+    try:
+        previous = read_jsonl(final) + list(meta.get("dropped", []))
+    except StageError:
         return {}
     made_from = meta.get("inputs", {})
     wanted = {r["id"]: input_key(r) for r in rows}

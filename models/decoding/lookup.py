@@ -11,7 +11,7 @@ from __future__ import annotations
 import torch
 
 from models.decoding.proposers import DraftProposer, TargetUpdate
-from models.decoding.tree import DraftTree, TreeSpec, chain_tree, root_only
+from models.decoding.tree import DraftTree, TreeSpec, root_only
 
 
 class NgramIndex:
@@ -89,7 +89,5 @@ class LookupProposer:
             self.inner.update(update)
 
     def propose(self, root: int, spec: TreeSpec) -> DraftTree:
-        chain = self.index.continuation(root, self.num_tokens)
-        if self.inner is None:
-            return chain_tree(root, chain) if chain else root_only(root)
-        return graft_chain(self.inner.propose(root, spec), chain)
+        tree = self.inner.propose(root, spec) if self.inner is not None else root_only(root)
+        return graft_chain(tree, self.index.continuation(root, self.num_tokens))
