@@ -507,8 +507,11 @@ class Drafter(nn.Module):
     @torch.no_grad()
     def step(self, input_ids: torch.Tensor, hidden_in: torch.Tensor | None, positions: torch.Tensor,
              cache: DraftCache, self_mask: torch.Tensor, target_kv=None,
-             target_mask: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-        """Incremental drafting (see the module docstring). Extends `cache` by the n new entries."""
+             target_mask: torch.Tensor | None = None, last_only: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+        """Incremental drafting (see the module docstring). Extends `cache` by the n new entries.
+
+        `last_only` applies the head to the last entry alone (logits `[B, 1, V]`): a decoding catch-up needs one
+        distribution, and the head is the drafter's largest matmul."""
         B, n = input_ids.shape
         S = len(cache) + n
         if tuple(self_mask.shape) != (B, n, S):
@@ -517,7 +520,7 @@ class Drafter(nn.Module):
         hidden = self.forward_hidden(input_ids, hidden_in, positions, ctx)
         ctx.finish()
         self.last_gates = {i: float(g) for i, g in ctx.gates.items()}
-        return self.head(hidden), hidden
+        return self.head(hidden[:, -1:] if last_only else hidden), hidden
 
 
 # -- warm start from a trained eagle3 -----------------------------------------------------------------------

@@ -297,8 +297,8 @@ class _Recording(DrafterProposer):
         self._catching = False
         step = drafter.step
 
-        def recorded(ids, h, pos, *args):
-            logits, hid = step(ids, h, pos, *args)
+        def recorded(ids, h, pos, *args, last_only=False):
+            logits, hid = step(ids, h, pos, *args)      # every entry's logits, to record them all
             for j, (tok, p) in enumerate(zip(ids[0].tolist(), pos[0].tolist())):
                 if self._catching:
                     self.entries.append((p - 1, 0, [], logits[0, j]))
@@ -306,7 +306,7 @@ class _Recording(DrafterProposer):
                     base = self._stable
                     self._chain.append(tok)
                     self.entries.append((base - 1, p - base, list(self._chain), logits[0, j]))
-            return logits, hid
+            return (logits[:, -1:] if last_only else logits), hid
 
         drafter.step = recorded
 

@@ -154,6 +154,11 @@ def test_cache_select_and_incremental_prefix(llama):
         outs.append(lo)
     torch.testing.assert_close(torch.cat(outs, 1), la, atol=1e-5, rtol=1e-5)
     assert inc.prefix_len == 6 and len(inc) == 6
+    # the head on the last entry alone (decoding's catch-up) is the last row of the full head
+    last, _ = d.step(ids[:, 1:7], fused[:, :6], torch.arange(1, 7).expand(B, 6), DraftCache(), causal,
+                     [(k[:, :, :6], v[:, :, :6]) for k, v in kv], tmask, last_only=True)
+    assert last.shape == (B, 1, la.shape[-1])
+    torch.testing.assert_close(last, la[:, -1:], atol=1e-5, rtol=1e-5)
     torch.testing.assert_close(inc.prefix[0][0], full.prefix[0][0], atol=1e-6, rtol=1e-6)
     assert d.last_gates and 0 < d.last_gates[0] < 1
     inc.select(torch.tensor([0, 2, 4]))

@@ -60,7 +60,7 @@ class DrafterProposer:
     @torch.no_grad()
     def propose(self, root: int, spec: TreeSpec) -> DraftTree:
         dev = self.target.device
-        hidden = self._catch_up(root)[-1:]                 # [1, d] output of the root's entry
+        root_logits, hidden = self._catch_up(root)         # the root entry's draft logits and output [1, d]
         base = self._stable                                 # absolute position of the root
         kv = self._target_kv()
         tree_mask = torch.zeros(1, 0, dtype=torch.bool, device=dev)   # [k_prev, tree entries so far]
@@ -77,7 +77,7 @@ class DrafterProposer:
             hidden = h[0]
             return torch.log_softmax(logits[0].float(), -1)
 
-        root_logp = torch.log_softmax(self.drafter.head(hidden[0]).float(), -1)
+        root_logp = torch.log_softmax(root_logits.float(), -1)
         return draft_tree(root, root_logp, expand, spec, self.d2t)
 
     # -- pieces ------------------------------------------------------------------------------------------------
@@ -87,8 +87,9 @@ class DrafterProposer:
         layers = self._pending_cache.layers
         return [(layers[i].keys, layers[i].values) for i in self.target.kv_layers]
 
-    def _catch_up(self, root: int) -> torch.Tensor:
-        """Run the entries of the newly accepted positions; returns their output hidden [m, d]."""
+    def _catch_up(self, root: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Run the entries of the newly accepted positions; returns the last entry's (the root's) draft logits
+        [V_draft] and output hidden [1, d]."""
         up = self._pending
         if up is None:
             raise RuntimeError("drafter proposer: propose() before begin()/update()")
@@ -107,6 +108,6 @@ class DrafterProposer:
             S_t = kv[0][0].shape[2]
             # entry t reads target KV <= t
             tmask = (torch.arange(S_t, device=dev)[None, :] <= torch.arange(start, start + m, device=dev)[:, None])[None]
-        _, hidden = self.drafter.step(ids, h_in, pos, self.cache, self_mask, kv, tmask)
+        logits, hidden = self.drafter.step(ids, h_in, pos, self.cache, self_mask, kv, tmask, last_only=True)
         self._stable = start + m
-        return hidden[0]
+        return logits[0, -1], hidden[0, -1:]
