@@ -102,7 +102,7 @@ class Tally:
     """Per-method totals over prompts."""
 
     def __init__(self):
-        self.tokens = self.seconds = self.draft = 0.0
+        self.tokens = self.seconds = self.draft = self.verify = 0.0
         self.lengths: list[float] = []
         self.rounds = 0
         self.exact = self.lossless = self.n = 0
@@ -111,6 +111,7 @@ class Tally:
         self.tokens += len(res.tokens)
         self.seconds += res.seconds
         self.draft += res.draft_seconds
+        self.verify += res.verify_seconds
         self.rounds += res.rounds
         self.lengths.append(res.tau * res.rounds)
         check = lossless_at_near_tie(ref.tokens, ref.logits, res.tokens, tol)
@@ -125,6 +126,18 @@ class Tally:
     @property
     def tau(self) -> float:
         return sum(self.lengths) / self.rounds if self.rounds else 1.0
+
+
+def round_cost(t: Tally, greedy_tps: float) -> str:
+    """Where a round of our loop goes, in units of one plain greedy step (1 / greedy tok/s): the target's
+    verification forward, the proposer, and the rest (prefill, cache compaction, bookkeeping). 2x needs
+    τ / round >= 2."""
+    if not t.verify or not t.rounds:
+        return ""
+    step = 1.0 / greedy_tps
+    per = lambda x: x / t.rounds / step  # noqa: E731
+    return (f"{per(t.seconds):.2f} = {per(t.verify):.2f} + {per(t.draft):.2f} + "
+            f"{per(t.seconds - t.verify - t.draft):.2f}")
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -199,10 +212,11 @@ def main(argv: list[str] | None = None) -> None:
               + ", ".join(f"{m} {r.tokens_per_s:.1f}" for m, r in runs.items()), flush=True)
 
     base = tally["greedy"].tps
-    print(f"\n{'method':<36} {'tok/s':>7} {'vs greedy':>9} {'tau':>5} {'draft %':>7} {'exact':>6} {'lossless':>8}")
+    print(f"\n{'method':<36} {'tok/s':>7} {'vs greedy':>9} {'tau':>5} {'draft %':>7} {'exact':>6} {'lossless':>8}"
+          f"  {'round = verify + draft + rest, in greedy steps':>46}")
     for m, t in tally.items():
         print(f"{m:<36} {t.tps:7.1f} {t.tps / base:8.2f}x {t.tau:5.2f} {100 * t.draft / t.seconds:6.1f}% "
-              f"{t.exact:>3}/{t.n:<2} {t.lossless:>5}/{t.n}")
+              f"{t.exact:>3}/{t.n:<2} {t.lossless:>5}/{t.n}  {round_cost(t, base)}")
     trees_s = " ".join(f"{k}={v.as_list()}" for k, v in trees.items())
     parts = [f"greedy {base:.1f} tok/s", f"spec-off {tally['spec-off'].tps / base:.2f}x",
              f"prompt-lookup {tally['prompt-lookup'].tps / base:.2f}x (tau {tally['prompt-lookup'].tau:.2f})"]
