@@ -54,6 +54,9 @@ class TrainParams(Section):
     # LM head: random (EAGLE-3), or the target's rows of the draft vocabulary (trains slower early on: the target's
     # head expects the target's own hidden states, which a fresh drafter does not produce)
     head_init: Literal["random", "target"] = "random"
+    # start from the weights of a trained run of the same variant and shape (a run directory; relative paths are
+    # taken from the workspace root): more epochs, or other data, for a drafter already trained
+    continue_from: str | None = None
 
 
 # -- pure helpers: schedule and data order -------------------------------------------------------------------------
@@ -255,6 +258,27 @@ def init_from_parent(model, init_from: Path | None, drafter: DrafterParams) -> d
     return {"init_from": str(init_from), "loaded": len(loaded), "new": [k for k in new if k not in ckpt.FROZEN]}
 
 
+def continue_training(model, run: Path, drafter: DrafterParams) -> dict:
+    """train.continue_from: copy every tensor (draft vocabulary included) of a trained run of the same drafter."""
+    from models.drafter import init_from_eagle3
+
+    what = f"train.continue_from={run}"
+    if not ckpt.is_trained(run):
+        raise StageError(f"{what}: no trained drafter there")
+    config, weights = ckpt.load_run(run)
+    variant = config.get("drafter", {}).get("variant")
+    if variant != drafter.variant:
+        raise StageError(f"{what}: holds a {variant!r} drafter, this run trains {drafter.variant!r}")
+    try:
+        loaded, new = init_from_eagle3(model, weights)     # same names and shapes, checked
+    except ValueError as exc:
+        raise StageError(f"{what}: {exc}") from None
+    missing = [k for k in new if k not in ckpt.FROZEN]     # frozen tensors (the target's embedding) are not saved
+    if missing:
+        raise StageError(f"{what}: the drafter there lacks {missing[0]} (another depth or injection?)")
+    return {"continued_from": str(run), "loaded": len(loaded)}
+
+
 # -- the run -----------------------------------------------------------------------------------------------------
 
 def resolved_config(model, drafter: DrafterParams, params: TrainParams, target: TargetParams,
@@ -301,6 +325,12 @@ def run(drafter: DrafterParams, params: TrainParams, run_dir: Path, paths: Paths
     init_info = init_from_parent(model, init_from, drafter) if needs_parent(drafter) else {}
     if init_info and Path(init_from).resolve().is_relative_to(Path(paths.root).resolve()):
         init_info["init_from"] = str(Path(init_from).resolve().relative_to(Path(paths.root).resolve()))
+    if params.continue_from:
+        if init_info:
+            raise StageError(f"train.continue_from and drafter.init=ckpt both set the starting weights of the "
+                             f"{drafter.variant} drafter; use one (drafter.init=random with continue_from)")
+        init_info = continue_training(model, Path(paths.root) / params.continue_from, drafter)
+        init_info["continued_from"] = params.continue_from
     config = resolved_config(model, drafter, params, target, n_conv, steps)
     if ckpt.is_trained(run_dir):
         done, _ = ckpt.load_run(run_dir)

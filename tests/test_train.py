@@ -220,6 +220,30 @@ def test_ckpt_init_loads_the_eagle3_weights(tmp_path, target, source, variant):
     assert summary["finished"] and summary["loaded"] == len(shared)
 
 
+def test_continue_from_starts_at_the_trained_weights(tmp_path, target, source):
+    from stages.train import build_drafter, continue_training
+
+    parent = tmp_path / "first"
+    train(parent, target, source, max_steps=2)
+    _, first = ckpt.load_run(parent)
+    model = build_drafter(target, DrafterParams(variant="eagle3", draft_vocab_size=48), source.token_counts(64))
+    info = continue_training(model, parent, DrafterParams(variant="eagle3", draft_vocab_size=48))
+    own = {k: v for k, v in model.state_dict().items() if k not in ckpt.FROZEN}
+    assert info["loaded"] == len(own) == len(first)
+    for k in own:
+        assert torch.equal(own[k], first[k]), k
+    summary, _ = train(tmp_path / "more", target, source, max_steps=2, continue_from="first")
+    assert summary["finished"] and summary["continued_from"] == "first"
+    _, more = ckpt.load_run(tmp_path / "more")
+    assert torch.equal(more["d2t"], first["d2t"]) and not torch.equal(more["fc.weight"], first["fc.weight"])
+    with pytest.raises(StageError, match="holds a 'eagle3' drafter") as e:
+        train(tmp_path / "kv", target, source, DrafterParams(variant="kv_only", draft_vocab_size=48), max_steps=1,
+              continue_from="first")
+    assert "\n" not in str(e.value)
+    with pytest.raises(StageError, match="no trained drafter"):
+        train(tmp_path / "none", target, source, max_steps=1, continue_from="missing")
+
+
 def test_bad_inputs_are_one_line_stage_errors(tmp_path, target, source):
     child = DrafterParams(variant="hybrid", init="ckpt", draft_vocab_size=48)
     with pytest.raises(StageError, match="init_from") as e:
