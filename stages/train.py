@@ -238,45 +238,41 @@ def build_drafter(target, drafter: DrafterParams, counts: torch.Tensor, head_ini
     return model
 
 
-def init_from_parent(model, init_from: Path | None, drafter: DrafterParams) -> dict:
-    """init=ckpt: copy the shared tensors of the trained eagle3 run in `init_from` (DESIGN §5)."""
+def copy_run_weights(model, run: Path, variant: str, what: str, missing: str) -> tuple[list[str], list[str]]:
+    """Copy the tensors the trained `variant` run in `run` shares with `model` (same names, shapes checked);
+    returns (loaded, new) names. Every problem is a one-line StageError starting with `what`."""
     from models.drafter import init_from_eagle3
 
-    what = f"drafter.init=ckpt for variant {drafter.variant!r}"
-    if init_from is None:
-        raise StageError(f"{what}: needs the trained eagle3 run directory (init_from), none given")
-    if not ckpt.is_trained(init_from):
-        raise StageError(f"{what}: no trained eagle3 drafter in {init_from} (train the eagle3 trial first)")
-    config, weights = ckpt.load_run(init_from)
-    parent = config.get("drafter", {}).get("variant")
-    if parent != "eagle3":
-        raise StageError(f"{what}: {init_from} holds a {parent!r} drafter, expected 'eagle3'")
+    if not ckpt.is_trained(run):
+        raise StageError(f"{what}: {missing}")
+    config, weights = ckpt.load_run(run)
+    found = config.get("drafter", {}).get("variant")
+    if found != variant:
+        raise StageError(f"{what}: {run} holds a {found!r} drafter, expected {variant!r}")
     try:
         loaded, new = init_from_eagle3(model, weights)
     except ValueError as exc:
-        raise StageError(f"{what}: {init_from}: {exc}") from None
-    return {"init_from": str(init_from), "loaded": len(loaded), "new": [k for k in new if k not in ckpt.FROZEN]}
+        raise StageError(f"{what}: {run}: {exc}") from None
+    return loaded, [k for k in new if k not in ckpt.FROZEN]   # frozen tensors (the target's embedding) are not saved
+
+
+def init_from_parent(model, init_from: Path | None, drafter: DrafterParams) -> dict:
+    """init=ckpt: copy the shared tensors of the trained eagle3 run in `init_from` (DESIGN §5)."""
+    what = f"drafter.init=ckpt for variant {drafter.variant!r}"
+    if init_from is None:
+        raise StageError(f"{what}: needs the trained eagle3 run directory (init_from), none given")
+    loaded, new = copy_run_weights(model, init_from, "eagle3", what,
+                                   f"no trained eagle3 drafter in {init_from} (train the eagle3 trial first)")
+    return {"init_from": str(init_from), "loaded": len(loaded), "new": new}
 
 
 def continue_training(model, run: Path, drafter: DrafterParams) -> dict:
     """train.continue_from: copy every tensor (draft vocabulary included) of a trained run of the same drafter."""
-    from models.drafter import init_from_eagle3
-
     what = f"train.continue_from={run}"
-    if not ckpt.is_trained(run):
-        raise StageError(f"{what}: no trained drafter there")
-    config, weights = ckpt.load_run(run)
-    variant = config.get("drafter", {}).get("variant")
-    if variant != drafter.variant:
-        raise StageError(f"{what}: holds a {variant!r} drafter, this run trains {drafter.variant!r}")
-    try:
-        loaded, new = init_from_eagle3(model, weights)     # same names and shapes, checked
-    except ValueError as exc:
-        raise StageError(f"{what}: {exc}") from None
-    missing = [k for k in new if k not in ckpt.FROZEN]     # frozen tensors (the target's embedding) are not saved
-    if missing:
-        raise StageError(f"{what}: the drafter there lacks {missing[0]} (another depth or injection?)")
-    return {"continued_from": str(run), "loaded": len(loaded)}
+    loaded, new = copy_run_weights(model, run, drafter.variant, what, "no trained drafter there")
+    if new:
+        raise StageError(f"{what}: the drafter there lacks {new[0]} (another depth or injection?)")
+    return {"loaded": len(loaded)}
 
 
 # -- the run -----------------------------------------------------------------------------------------------------
@@ -329,8 +325,8 @@ def run(drafter: DrafterParams, params: TrainParams, run_dir: Path, paths: Paths
         if init_info:
             raise StageError(f"train.continue_from and drafter.init=ckpt both set the starting weights of the "
                              f"{drafter.variant} drafter; use one (drafter.init=random with continue_from)")
-        init_info = continue_training(model, Path(paths.root) / params.continue_from, drafter)
-        init_info["continued_from"] = params.continue_from
+        init_info = {"continued_from": params.continue_from,
+                     **continue_training(model, Path(paths.root) / params.continue_from, drafter)}
     config = resolved_config(model, drafter, params, target, n_conv, steps)
     if ckpt.is_trained(run_dir):
         done, _ = ckpt.load_run(run_dir)
