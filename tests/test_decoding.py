@@ -77,6 +77,38 @@ def test_draft_tree_matches_reference_expansion(spec):
     assert tree.positions(17).tolist() == [17 + d for d in tree.depths.tolist()]
 
 
+def test_expansion_stops_once_no_deeper_node_can_enter_the_tree():
+    calls = []
+
+    def flat(tokens, src, level):
+        calls.append(level)
+        return torch.log_softmax(torch.zeros(tokens.numel(), 6), -1)
+
+    root_logp = torch.log_softmax(torch.tensor([2.0, 2.0, 2.0, 0.0, 0.0, 0.0]), -1)
+    tree = draft_tree(0, root_logp, flat, TreeSpec(3, 3, 4))
+    assert calls == [] and tree.depths.tolist() == [0, 1, 1, 1]        # three equal first-level nodes fill it
+    tree = draft_tree(0, root_logp, flat, TreeSpec(3, 3, 5))
+    assert calls == [1] and tree.depths.tolist() == [0, 1, 1, 1, 2]    # a level-3 node could not beat a level-2 one
+    # on the hand-made drafter: trees equal the full expansion's, and some of them skipped steps
+    skipped = 0
+    for root in range(V):
+        for spec in (TreeSpec(3, 2, 4), TreeSpec(4, 3, 6)):
+            calls.clear()
+            paths = [(root,)]
+
+            def expand(tokens, src, level):
+                nonlocal paths
+                calls.append(level)
+                paths = [paths[s] + (int(t),) for s, t in zip(src.tolist(), tokens.tolist())]
+                return torch.stack([path_logp(p) for p in paths])
+
+            tree = draft_tree(root, path_logp((root,)), expand, spec)
+            ref = naive_eagle2(root, spec)
+            assert set(tree_paths(tree)[1:]) == set(sorted(ref, key=ref.get, reverse=True)[: spec.total_tokens - 1])
+            skipped += len(calls) < spec.depth
+    assert skipped > 0
+
+
 def test_ancestor_mask_is_ancestors_and_self():
     tree = build(5, TreeSpec(4, 3, 16))
     mask = tree.ancestor_mask()

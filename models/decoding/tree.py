@@ -117,7 +117,9 @@ def draft_tree(root: int, root_logp: torch.Tensor, expand: Expand, spec: TreeSpe
 
     Each level keeps the top_k frontier nodes by cumulative log-prob; every top_k child of a frontier node is a
     candidate; the final tree is the best total_tokens - 1 candidates plus the root. A child's score never
-    exceeds its parent's, and ties go to the earlier-created (shallower) node, so the kept set is ancestor-closed.
+    exceeds its parent's, and ties go to the earlier-created (shallower) node, so the kept set is ancestor-closed;
+    for the same reason expansion stops as soon as no frontier node beats the current total_tokens - 1 best (an
+    uncertain drafter then skips its deeper, useless steps; the tree is the same).
     `d2t` maps draft-vocabulary indices to target ids (None: the draft vocabulary is the target's).
     """
     device = root_logp.device
@@ -136,6 +138,8 @@ def draft_tree(root: int, root_logp: torch.Tensor, expand: Expand, spec: TreeSpe
     n_cand = k
     src = torch.zeros(k, dtype=torch.long, device=device)
     for level in range(1, spec.depth + 1):
+        if n_cand >= keep and bool(scores.max() <= torch.cat(cand_score).topk(keep).values[-1]):
+            break   # no deeper node can outscore (or, being later, tie) the keep best: the tree is final
         logp = expand(frontier_tok, src, level).float()   # [k_front, V]
         child = logp.topk(k, dim=-1)
         cum = (scores[:, None] + child.values).flatten()  # [k_front * k]
