@@ -2,6 +2,8 @@
 
 For each trained drafter: the fastest of `tree_candidates` (picked on the first prompts) and the paper's tree are
 decoded over every prompt; plain greedy `generate` on the same prompts, in the same run, is the speedup reference.
+Methods take turns on each prompt (not one method over all prompts, then the next), so the ratios survive a drift
+of the machine's speed.
 With `lookup_tokens > 0` each drafter is also decoded with a prompt-lookup branch grafted onto its tree (row kind
 `tuned_lookup`, its own fastest candidate), and lookup alone through the same loop is a baseline beside
 transformers' prompt lookup.
@@ -102,7 +104,11 @@ def _setting(run_dir: Path, config: dict, root: Path) -> dict[str, Any]:
 
 def run(params: E2EParams, run_dirs, paths: Paths, report: Report, *, target: TargetParams,
         loaded_target: Any = None, **_: Any) -> list[dict]:
-    """Decode with every drafter in `run_dirs`; writes metrics/e2e.json and returns its rows."""
+    """Decode with every drafter in `run_dirs`; writes metrics/e2e.json and returns its rows.
+
+    Trees are tuned first (on the first prompts); then every method decodes prompt by prompt, one method after
+    another on the same prompt, so that a drift of the machine's speed during the run reaches every row alike.
+    """
     import torch
     from rich.progress import Progress
 
@@ -118,61 +124,76 @@ def run(params: E2EParams, run_dirs, paths: Paths, report: Report, *, target: Ta
     eos = tgt.tokenizer.eos_token_id if tgt.tokenizer is not None else None
     prompts = [torch.tensor(tgt.chat_ids([{"role": "user", "content": t}], add_generation_prompt=True))
                for t in load_prompts(params, paths)]
-    n_new, exact_required = params.max_new_tokens, params.dtype == "float32"
+    n_new, exact_required, tol = params.max_new_tokens, params.dtype == "float32", params.tie_tolerance
+    lookups = [0] + ([params.lookup_tokens] if params.lookup_tokens else [])
 
-    greedy_generate(tgt, prompts[0], 4, eos_token_id=eos)              # warm-up
-    refs = [greedy_generate(tgt, p, n_new, eos_token_id=eos, keep_logits=True) for p in prompts]
-    off = [speculative_generate(tgt, p, n_new, eos_token_id=eos) for p in prompts]
-    baselines = {"spec_off_tokens_per_s": _tally(off, refs, params.tie_tolerance, exact_required)["tokens_per_s"]}
+    def drafted(drafter, spec: TreeSpec, lookup: int):
+        def decode(p):
+            inner = DrafterProposer(drafter, tgt)
+            proposer = LookupProposer(inner, lookup, params.lookup_ngram) if lookup else inner
+            return speculative_generate(tgt, p, n_new, proposer, spec, eos_token_id=eos)
+        return decode
+
+    # every method: name -> decode(prompt); plain greedy first (the reference of every other)
+    methods = {"greedy": lambda p: greedy_generate(tgt, p, n_new, eos_token_id=eos, keep_logits=True),
+               "spec_off": lambda p: speculative_generate(tgt, p, n_new, eos_token_id=eos)}
     if params.prompt_lookup:
-        pl = _tally([prompt_lookup_generate(tgt, p, n_new, eos_token_id=eos) for p in prompts], refs,
-                    params.tie_tolerance, exact_required)
+        methods["prompt_lookup"] = lambda p: prompt_lookup_generate(tgt, p, n_new, eos_token_id=eos)
+    if params.lookup_tokens:
+        methods["lookup_loop"] = lambda p: speculative_generate(
+            tgt, p, n_new, LookupProposer(None, params.lookup_tokens, params.lookup_ngram), [0, 1, 1],
+            eos_token_id=eos)
+    greedy_generate(tgt, prompts[0], 4, eos_token_id=eos)              # warm-up
+
+    plan: list[tuple[str, dict, str, TreeSpec, int]] = []               # (method, setting, tree kind, tree, lookup)
+    k = min(TUNE_PROMPTS, len(prompts))
+    with Progress(transient=False) as bar:
+        tune = bar.add_task("e2e: tune trees", total=len(run_dirs) * len(lookups) * len(candidates) * k)
+        for i, run_dir in enumerate(run_dirs):
+            drafter, config = ckpt.load_drafter(run_dir, tgt)
+            setting = _setting(run_dir, config, paths.root)
+            for lookup in lookups:
+                if not candidates:
+                    continue
+                speed = []
+                for spec in candidates:
+                    out = [drafted(drafter, spec, lookup)(p) for p in prompts[:k]]
+                    speed.append(sum(len(r.tokens) for r in out) / sum(r.seconds for r in out))
+                    bar.advance(tune, k)
+                best = candidates[max(range(len(candidates)), key=speed.__getitem__)]
+                kind = "tuned_lookup" if lookup else "tuned"
+                plan.append((f"{i}:{kind}", setting, kind, best, lookup))
+                methods[plan[-1][0]] = drafted(drafter, best, lookup)
+            plan.append((f"{i}:paper", setting, "paper", paper, 0))
+            methods[plan[-1][0]] = drafted(drafter, paper, 0)
+
+        results: dict[str, list] = {name: [] for name in methods}
+        task = bar.add_task("e2e: decode", total=len(prompts) * len(methods))
+        for p in prompts:
+            for name, decode in methods.items():
+                results[name].append(decode(p))
+                bar.advance(task)
+
+    refs = results["greedy"]
+    tally = {name: _tally(out, refs, tol, exact_required) for name, out in results.items()}
+    baselines = {"spec_off_tokens_per_s": tally["spec_off"]["tokens_per_s"]}
+    if params.prompt_lookup:
+        pl = tally["prompt_lookup"]
         baselines.update(prompt_lookup_tokens_per_s=pl["tokens_per_s"], prompt_lookup_speedup=pl["speedup"],
                          prompt_lookup_tau=pl["tau"])
     if params.lookup_tokens:
-        alone = _tally([speculative_generate(tgt, p, n_new, LookupProposer(None, params.lookup_tokens,
-                                                                           params.lookup_ngram),
-                                             [0, 1, 1], eos_token_id=eos) for p in prompts],
-                       refs, params.tie_tolerance, exact_required)
+        alone = tally["lookup_loop"]
         baselines.update(lookup_loop_speedup=alone["speedup"], lookup_loop_tau=alone["tau"],
                          lookup_loop_lossless=alone["lossless"])
-    report({"baseline_tokens_per_s": sum(len(r.tokens) for r in refs) / sum(r.seconds for r in refs), **baselines})
+    report({"baseline_tokens_per_s": tally["greedy"]["tokens_per_s"], **baselines})
 
     rows: list[dict] = []
-    with Progress(transient=False) as bar:
-        for run_dir in run_dirs:
-            drafter, config = ckpt.load_drafter(run_dir, tgt)
-            setting = _setting(run_dir, config, paths.root)
-
-            def decode(spec: TreeSpec, ps: list, lookup: int) -> list:
-                def proposer():
-                    inner = DrafterProposer(drafter, tgt)
-                    return LookupProposer(inner, lookup, params.lookup_ngram) if lookup else inner
-                return [speculative_generate(tgt, p, n_new, proposer(), spec, eos_token_id=eos) for p in ps]
-
-            lookups = [0] + ([params.lookup_tokens] if params.lookup_tokens else [])
-            task = bar.add_task(f"e2e {run_dir.name}", total=len(lookups) * (len(candidates) * TUNE_PROMPTS
-                                                                           + len(prompts)) + len(prompts))
-            k = min(TUNE_PROMPTS, len(prompts))
-            plan = []
-            for lookup in lookups:
-                speed = []
-                for spec in candidates:
-                    speed.append(_tally(decode(spec, prompts[:k], lookup), refs[:k], params.tie_tolerance,
-                                        False)["speedup"])
-                    bar.advance(task, TUNE_PROMPTS)
-                if candidates:
-                    best = candidates[max(range(len(candidates)), key=speed.__getitem__)]
-                    plan.append(("tuned_lookup" if lookup else "tuned", best, lookup))
-            plan.append(("paper", paper, 0))
-            for kind, spec, lookup in plan:
-                m = _tally(decode(spec, prompts, lookup), refs, params.tie_tolerance, exact_required)
-                bar.advance(task, len(prompts))
-                row = {**setting, "tree": spec.as_list(), "tree_kind": kind, "lookup_tokens": lookup, **m,
-                       **baselines, "status": "ok", "dtype": params.dtype, "num_prompts": len(prompts),
-                       "max_new_tokens": n_new, "tie_tolerance": params.tie_tolerance}
-                rows.append(row)
-                report({f"{kind}/{key}": float(row[key]) for key in
-                        ("tau", "tokens_per_s", "speedup", "draft_time_share", "exact_match", "lossless")})
+    for name, setting, kind, spec, lookup in plan:
+        row = {**setting, "tree": spec.as_list(), "tree_kind": kind, "lookup_tokens": lookup, **tally[name],
+               **baselines, "status": "ok", "dtype": params.dtype, "num_prompts": len(prompts),
+               "max_new_tokens": n_new, "tie_tolerance": tol}
+        rows.append(row)
+        report({f"{kind}/{key}": float(row[key]) for key in
+                ("tau", "tokens_per_s", "speedup", "draft_time_share", "exact_match", "lossless")})
     write_json_atomic(paths.e2e_metrics, rows)
     return rows
