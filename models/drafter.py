@@ -469,7 +469,7 @@ class Drafter(nn.Module):
         if not self.config.uses_features:
             raise ValueError(f"drafter variant {self.config.variant!r} takes no target features")
         if not torch.is_autocast_enabled():
-            features = features.to(self.fc.weight.dtype)
+            features = features.to(self.embed_tokens.weight.dtype)   # the drafter's dtype (fc may be int8)
         return self.fc(features)
 
     def rope(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
