@@ -28,6 +28,7 @@ import torch  # noqa: E402
 
 from models.decoding import (DecodeResult, DrafterProposer, LookupProposer, OracleProposer, TreeSpec,  # noqa: E402
                              greedy_generate, lossless_at_near_tie, prompt_lookup_generate, speculative_generate)
+from models.quant import quantize_linears_int8  # noqa: E402
 from models.target import Target, load_target  # noqa: E402
 
 
@@ -155,6 +156,8 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--no-oracle", action="store_true")
     ap.add_argument("--lookup", type=int, default=0, help="lookup branch of up to N tokens (0: none)")
     ap.add_argument("--workspace", type=Path, default=ROOT, help="the workspace whose held-out prompts to decode")
+    ap.add_argument("--int8", action="store_true",
+                    help="also decode the small trees with the drafter's linears in int8 (weight-only)")
     args = ap.parse_args(argv)
 
     torch.set_num_threads(args.threads)
@@ -165,6 +168,7 @@ def main(argv: list[str] | None = None) -> None:
     prompts = [torch.tensor(target.chat_ids([{"role": "user", "content": t}], add_generation_prompt=True))
                for t in texts]
     drafter, dname = build_drafter(target, args.checkpoint, args.variant)
+    drafters = {dname: drafter} | ({f"{dname}/int8": quantize_linears_int8(drafter)} if args.int8 else {})
     cpu_trees = [TreeSpec.of([int(x) for x in t.split(",")]) for t in args.cpu_tree]
     trees = {("cpu" if len(cpu_trees) == 1 else "cpu" + str(tuple(t.as_list())).replace(" ", "")): t
              for t in cpu_trees}
@@ -177,9 +181,9 @@ def main(argv: list[str] | None = None) -> None:
 
     greedy_generate(target, prompts[0], 8, eos_token_id=eos)   # warm-up
     methods = ["greedy", "spec-off", "prompt-lookup"] + (["lookup (our loop)"] if args.lookup else [])
-    methods += [f"{dname} {k}" for k in trees]
+    methods += [f"{d} {k}" for d in drafters for k in trees if d == dname or k != "paper"]
     if args.lookup:
-        methods += [f"{dname}+lookup {k}" for k in trees if k != "paper"]
+        methods += [f"{d}+lookup {k}" for d in drafters for k in trees if k != "paper"]
     if not args.no_oracle:
         methods += [f"oracle {k}" for k in trees]
     tally = {m: Tally() for m in methods}
@@ -193,12 +197,15 @@ def main(argv: list[str] | None = None) -> None:
             runs["lookup (our loop)"] = speculative_generate(target, prompt, n_new, LookupProposer(None, args.lookup),
                                                              [0, 1, 1], eos_token_id=eos)
         for k, spec in trees.items():
-            runs[f"{dname} {k}"] = speculative_generate(target, prompt, n_new, DrafterProposer(drafter, target), spec,
+            for d, model in drafters.items():
+                if k == "paper" and d != dname:
+                    continue   # the paper tree is a GPU setting: the native drafter alone
+                runs[f"{d} {k}"] = speculative_generate(target, prompt, n_new, DrafterProposer(model, target), spec,
                                                         eos_token_id=eos)
-            if args.lookup and k != "paper":
-                runs[f"{dname}+lookup {k}"] = speculative_generate(
-                    target, prompt, n_new, LookupProposer(DrafterProposer(drafter, target), args.lookup), spec,
-                    eos_token_id=eos)
+                if args.lookup and k != "paper":
+                    runs[f"{d}+lookup {k}"] = speculative_generate(
+                        target, prompt, n_new, LookupProposer(DrafterProposer(model, target), args.lookup), spec,
+                        eos_token_id=eos)
             if not args.no_oracle:
                 # bf16 verification can leave plain greedy at a near-tie, after which greedy's text is no oracle:
                 # a first pass finds the loop's own output, the timed pass proposes exactly that

@@ -36,6 +36,7 @@ class E2EParams(Section):
     prompt_lookup: bool = True            # also measure transformers' prompt-lookup decoding
     lookup_tokens: int = Field(0, ge=0)   # n-gram lookup branch grafted onto each drafter's tree (0: none)
     lookup_ngram: int = Field(3, ge=1)    # longest n-gram the lookup matches
+    drafter_weights: Literal["native", "int8"] = "native"   # int8: the drafters' linears weight-only int8
 
 
 def first_user_turns(rows: list[dict], where: str) -> list[str]:
@@ -114,6 +115,7 @@ def run(params: E2EParams, run_dirs, paths: Paths, report: Report, *, target: Ta
 
     from models.decoding import (DrafterProposer, LookupProposer, TreeSpec, greedy_generate,
                                  prompt_lookup_generate, speculative_generate)
+    from models.quant import quantize_linears_int8
     from stages import checkpoint as ckpt
 
     run_dirs = ckpt.trained_run_dirs(
@@ -151,6 +153,8 @@ def run(params: E2EParams, run_dirs, paths: Paths, report: Report, *, target: Ta
         tune = bar.add_task("e2e: tune trees", total=len(run_dirs) * len(lookups) * len(candidates) * k)
         for i, run_dir in enumerate(run_dirs):
             drafter, config = ckpt.load_drafter(run_dir, tgt)
+            if params.drafter_weights == "int8":
+                drafter = quantize_linears_int8(drafter)
             setting = _setting(run_dir, config, paths.root)
             for lookup in lookups:
                 if not candidates:
@@ -190,7 +194,8 @@ def run(params: E2EParams, run_dirs, paths: Paths, report: Report, *, target: Ta
     rows: list[dict] = []
     for name, setting, kind, spec, lookup in plan:
         row = {**setting, "tree": spec.as_list(), "tree_kind": kind, "lookup_tokens": lookup, **tally[name],
-               **baselines, "status": "ok", "dtype": params.dtype, "num_prompts": len(prompts),
+               **baselines, "status": "ok", "dtype": params.dtype, "drafter_weights": params.drafter_weights,
+               "num_prompts": len(prompts),
                "max_new_tokens": n_new, "tie_tolerance": tol}
         rows.append(row)
         report({f"{kind}/{key}": float(row[key]) for key in

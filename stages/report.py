@@ -653,7 +653,10 @@ def e2e_baselines(rows: list[dict]) -> str:
         parts.append(f"transformers' prompt lookup {pl:.2f}x (τ {mean('prompt_lookup_tau'):.2f})")
     if (lk := mean("lookup_loop_speedup")) is not None:
         parts.append(f"n-gram lookup alone in our loop {lk:.2f}x (τ {mean('lookup_loop_tau'):.2f})")
-    return ("Baselines in the same run: " + "; ".join(parts) + ".") if parts else ""
+    text = ("Baselines in the same run: " + "; ".join(parts) + ".") if parts else ""
+    if any(r.get("drafter_weights") == "int8" for r in rows):
+        text += " The drafters ran with int8 weight-only linears (e2e.drafter_weights=int8)."
+    return text.strip()
 
 
 # -- figures --------------------------------------------------------------------------------------------------

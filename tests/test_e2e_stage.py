@@ -22,12 +22,14 @@ def run_dir(tmp_path, embedded_target):
     return d
 
 
-def test_e2e_stage_writes_rows(tmp_path, run_dir, embedded_target):
+@pytest.mark.parametrize("weights", ["native", "int8"])
+def test_e2e_stage_writes_rows(tmp_path, run_dir, embedded_target, weights):
     prompts = tmp_path / "prompts.jsonl"
     write_text_atomic(prompts, "\n".join(json.dumps({"id": str(i), "source": "t", "messages": [
         {"role": "user", "content": c}]}) for i, c in enumerate(["Say hello.", "Name a colour."])) + "\n")
     params = E2EParams(prompts=str(prompts), num_prompts=2, max_new_tokens=8, paper_tree=[3, 3, 8],
-                       tree_candidates=[[2, 1, 3], [2, 2, 5]], prompt_lookup=True, lookup_tokens=4)
+                       tree_candidates=[[2, 1, 3], [2, 2, 5]], prompt_lookup=True, lookup_tokens=4,
+                       drafter_weights=weights)
     seen = []
     rows = run(params, [run_dir], Paths(tmp_path), lambda m, step=None: seen.append(m), target=TargetParams(),
                loaded_target=embedded_target)
@@ -35,6 +37,7 @@ def test_e2e_stage_writes_rows(tmp_path, run_dir, embedded_target):
     assert on_disk == json.loads(json.dumps(rows)) and [r["tree_kind"] for r in rows] == ["tuned", "tuned_lookup", "paper"]
     for r in rows:
         assert r["trial"] == "hybrid-small" and r["variant"] == "hybrid" and r["scale"] == "small"
+        assert r["drafter_weights"] == weights
         assert r["tau"] >= 1.0 and r["tokens_per_s"] > 0 and r["baseline_tokens_per_s"] > 0
         assert r["speedup"] == pytest.approx(r["tokens_per_s"] / r["baseline_tokens_per_s"])
         assert 0 <= r["draft_time_share"] < 1 and 0 <= r["exact_match"] <= 1 and r["lossless"] is True

@@ -7,8 +7,8 @@ from pathlib import Path
 import pytest
 
 from stages.common import Paths, StageError
-from stages.report import (FAILS, HOLDS, MISSING, NOISE, ReportParams, Stat, collect, compare, findings, mat_of,
-                           run)
+from stages.report import (FAILS, HOLDS, MISSING, NOISE, ReportParams, Stat, collect, compare, e2e_baselines,
+                           findings, mat_of, run)
 
 FIXTURES = Path(__file__).parent / "fixtures" / "report" / "metrics"
 STUDIES = ["injection", "depth", "hybrid", "scale"]
@@ -257,6 +257,15 @@ def test_malformed_metrics_name_the_file(tmp_path):
     (tmp_path / "metrics" / "stepwise" / "depth.json").write_text('{"trial": "a"}')
     with pytest.raises(StageError, match=r"depth\.json: expected a JSON list"):
         run(ReportParams(), {"studies": ["depth"]}, Paths(tmp_path), lambda m, step=None: None)
+
+
+def test_e2e_baselines_say_when_drafters_ran_in_int8():
+    row = {"baseline_tokens_per_s": 40.0, "spec_off_tokens_per_s": 44.0, "prompt_lookup_speedup": 1.2,
+           "prompt_lookup_tau": 1.4}
+    native = e2e_baselines([row | {"drafter_weights": "native"}])
+    assert native.startswith("Baselines in the same run: plain greedy `generate` 40.0 tokens/s")
+    assert "speculation off 1.10x" in native and "int8" not in native
+    assert e2e_baselines([row | {"drafter_weights": "int8"}]).endswith("(e2e.drafter_weights=int8).")
 
 
 def test_compare_and_stats():
