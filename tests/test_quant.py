@@ -29,6 +29,8 @@ def test_int8_kernel_equals_the_dequantized_product_in_bf16():
     ref = x.float() @ q.dequantized().float().T
     assert q(x).dtype == torch.bfloat16
     assert torch.allclose(q(x).float(), ref, rtol=2e-2, atol=2e-2)
+    # without the fused kernel (another device or dtype) the product goes through the dequantized weights
+    assert torch.allclose(q(x.double()), x.double() @ q.dequantized().double().T)
 
 
 def test_quantize_linears_replaces_every_linear_of_a_copy():
