@@ -143,7 +143,27 @@ def e2e(overrides: Optional[list[str]] = OverridesArg, profile: Optional[str] = 
         with stage_run(cfg, "e2e", paths) as report:
             rows = stage.run(cfg.e2e, run_dirs, paths, report, target=cfg.target)
         write_e2e_summary(paths, rows)
+        _print_e2e(rows)
     _guarded(body, "e2e")
+
+
+def _print_e2e(rows: list[dict]) -> None:
+    """What the e2e stage measured, one line per drafter and tree, then the baselines of the same run."""
+    from rich.table import Table
+
+    from stages.report import e2e_baselines
+
+    table = Table(title="e2e: lossless tree speculative decoding",
+                  caption="speedup: over plain greedy generate in the same run")
+    for col in ("drafter", "tree", "kind", "τ", "tokens/s", "speedup", "drafting", "exact", "lossless"):
+        table.add_column(col, justify="left" if col in ("drafter", "kind") else "right")
+    for r in rows:
+        table.add_row(r["trial"], str(tuple(r["tree"])), r["tree_kind"], f"{r['tau']:.2f}", f"{r['tokens_per_s']:.1f}",
+                      f"{r['speedup']:.2f}x", f"{r['draft_time_share']:.0%}", f"{r['exact_match']:.0%}",
+                      "yes" if r["lossless"] else "NO")
+    out = console if console.is_terminal else Console(stderr=True, width=120)   # logs: no 80-column squeeze
+    out.print(table)
+    out.print(e2e_baselines(rows), highlight=False, soft_wrap=True)
 
 
 def _e2e_run_dirs(cfg: Config, paths) -> list[Path]:

@@ -56,6 +56,8 @@ def test_repro_builds_every_artifact(smoke):
     drafter_rows = [r for r in e2e if r.get("variant") in ("eagle3", "hybrid")]
     assert drafter_rows and all(r["lossless"] for r in drafter_rows)
     assert all(r["speedup"] > 0 and 0 <= r["exact_match"] <= 1 for r in drafter_rows)
+    printed = first.stdout + first.stderr                  # `kvshot e2e` prints what it measured
+    assert "lossless tree speculative decoding" in printed and "Baselines in the same run" in printed
 
 
 def test_report_has_every_table_figure_and_verdict(smoke):
