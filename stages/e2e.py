@@ -195,10 +195,9 @@ def run(params: E2EParams, run_dirs, paths: Paths, report: Report, *, target: Ta
     for name, setting, kind, spec, lookup in plan:
         row = {**setting, "tree": spec.as_list(), "tree_kind": kind, "lookup_tokens": lookup, **tally[name],
                **baselines, "status": "ok", "dtype": params.dtype, "drafter_weights": params.drafter_weights,
-               "num_prompts": len(prompts),
-               "max_new_tokens": n_new, "tie_tolerance": tol}
+               "num_prompts": len(prompts), "max_new_tokens": n_new, "tie_tolerance": tol}
         rows.append(row)
-        report({f"{kind}/{key}": float(row[key]) for key in
+        report({f"{row['trial']}/{kind}/{key}": float(row[key]) for key in   # one MLflow series per drafter
                 ("tau", "tokens_per_s", "speedup", "draft_time_share", "exact_match", "lossless")})
     write_json_atomic(paths.e2e_metrics, rows)
     return rows

@@ -45,7 +45,7 @@ def test_e2e_stage_writes_rows(tmp_path, run_dir, embedded_target, weights):
         assert r["lookup_tokens"] == (4 if r["tree_kind"] == "tuned_lookup" else 0)
         assert r["run_dir"] == "runs/scale/hybrid-small"   # relative to the workspace: metrics travel
     assert rows[2]["tree"] == [3, 3, 8] and {tuple(r["tree"]) for r in rows[:2]} <= {(2, 1, 3), (2, 2, 5)}
-    assert any("paper/tau" in m for m in seen) and any("spec_off_tokens_per_s" in m for m in seen)
+    assert any("hybrid-small/paper/tau" in m for m in seen) and any("spec_off_tokens_per_s" in m for m in seen)
 
 
 def test_e2e_stage_names_a_bad_input(tmp_path, run_dir, embedded_target):
