@@ -180,10 +180,15 @@ def main(argv: list[str] | None = None) -> None:
           + ", ".join(f"n={n}: {c / cost[1]:.2f}" for n, c in cost.items()))
 
     greedy_generate(target, prompts[0], 8, eos_token_id=eos)   # warm-up
-    methods = ["greedy", "spec-off", "prompt-lookup"] + (["lookup (our loop)"] if args.lookup else [])
-    methods += [f"{d} {k}" for d in drafters for k in trees if d == dname or k != "paper"]
+    # every drafted method: (name, drafter, tree, lookup tokens); the paper tree is a GPU setting, decoded by the
+    # native drafter alone
+    drafted = [(f"{d} {k}", model, spec, 0) for k, spec in trees.items() for d, model in drafters.items()
+               if d == dname or k != "paper"]
     if args.lookup:
-        methods += [f"{d}+lookup {k}" for d in drafters for k in trees if k != "paper"]
+        drafted += [(f"{d}+lookup {k}", model, spec, args.lookup) for k, spec in trees.items()
+                    for d, model in drafters.items() if k != "paper"]
+    methods = ["greedy", "spec-off", "prompt-lookup"] + (["lookup (our loop)"] if args.lookup else [])
+    methods += [name for name, *_ in drafted]
     if not args.no_oracle:
         methods += [f"oracle {k}" for k in trees]
     tally = {m: Tally() for m in methods}
@@ -196,17 +201,13 @@ def main(argv: list[str] | None = None) -> None:
         if args.lookup:
             runs["lookup (our loop)"] = speculative_generate(target, prompt, n_new, LookupProposer(None, args.lookup),
                                                              [0, 1, 1], eos_token_id=eos)
-        for k, spec in trees.items():
-            for d, model in drafters.items():
-                if k == "paper" and d != dname:
-                    continue   # the paper tree is a GPU setting: the native drafter alone
-                runs[f"{d} {k}"] = speculative_generate(target, prompt, n_new, DrafterProposer(model, target), spec,
-                                                        eos_token_id=eos)
-                if args.lookup and k != "paper":
-                    runs[f"{d}+lookup {k}"] = speculative_generate(
-                        target, prompt, n_new, LookupProposer(DrafterProposer(model, target), args.lookup), spec,
-                        eos_token_id=eos)
-            if not args.no_oracle:
+        for name, model, spec, lookup in drafted:
+            proposer = DrafterProposer(model, target)
+            runs[name] = speculative_generate(target, prompt, n_new,
+                                              LookupProposer(proposer, lookup) if lookup else proposer, spec,
+                                              eos_token_id=eos)
+        if not args.no_oracle:
+            for k, spec in trees.items():
                 # bf16 verification can leave plain greedy at a near-tie, after which greedy's text is no oracle:
                 # a first pass finds the loop's own output, the timed pass proposes exactly that
                 first = speculative_generate(target, prompt, n_new, OracleProposer(full), spec, eos_token_id=eos)
