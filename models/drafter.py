@@ -10,6 +10,9 @@ Pieces (names are the state-dict prefixes):
 - `embed_tokens`: the target's token embedding, frozen (copied in with `load_target_weights`).
 - `fc` (eagle3, hybrid, cross_only): Linear(3d -> d) over the concat of the three target features. Step 0's
   hidden input is fc(features at t); step k>0's is the drafter's own previous output hidden (pre final norm).
+  EAGLE-3.1's two options against attention drift, both off by default: `fc_norm` puts one RMSNorm per fused
+  feature before `fc` (`fc_norms.j`), `norm_output` feeds step k+1 the *post*-final-norm hidden of step k
+  (`Drafter.carry`). `eagle3` with both on is "EAGLE-3.1".
 - `layers.i`: Llama-style decoder layers. Layer 0 of the eagle3 family reads [norm(emb); norm(hidden)] (2d)
   and keeps the hidden as its residual (EAGLE-3); other layers read d. kv_only's input is the embedding alone.
   * `self_attn`: attention over the drafter's own keys (eagle3, hybrid).
@@ -17,6 +20,9 @@ Pieces (names are the state-dict prefixes):
     positions <= t (`inject`, per layer); the draft tokens' keys come from its own k_proj/v_proj. An entry of
     the drafter's own whose input token already lies inside the visible target KV is not seen by this branch
     (the target's KV covers it), so a query sees target KV <= t plus its own chain t+1 .. t+1+k.
+    `no_target` (kv_only only: the paper's "no target information" control) drops the target prefix from the
+    keys and keeps everything else, so a query sees only its own chain t+1 .. t+1+k: the target KV it is handed
+    changes nothing.
   * hybrid: n = self_attn, o = cross_attn, Δ = o - n, g = σ(W_g[n; o; Δ] + b_g), attention output
     n + g ⊙ W_Δ Δ (`gate`, `delta`). g = 0 gives eagle3 exactly; `force_gate(0.0)` pins it there.
   * `post_attention_layernorm`, `mlp` (SwiGLU).
@@ -52,7 +58,8 @@ Incremental API (decoding; also the naive reference the TTT unroll is tested aga
   0..S_t-1. The projected prefix is kept in the cache and extended by the new tail only (entries already
   projected are assumed unchanged; call `cache.crop_prefix(n)` if the target cache is rewritten below them).
 - target_mask `[B, n, S_t]` bool (None = all visible).
-Returns draft-vocabulary logits `[B, n, V_draft]` and the output hidden `[B, n, d]` (pre final norm).
+Returns draft-vocabulary logits `[B, n, V_draft]` and the hidden the next step reads `[B, n, d]` (the output
+hidden, pre final norm; post-norm with `norm_output`).
 """
 from __future__ import annotations
 
@@ -95,6 +102,9 @@ class DrafterConfig:
     rope_theta: float = 10000.0
     rope_inv_freq: list[float] | None = None   # copied from the target so rotations agree bit for bit
     rope_scaling: float = 1.0                  # the target rotary's attention_scaling
+    fc_norm: bool = False                      # EAGLE-3.1: RMSNorm per fused feature before fc
+    norm_output: bool = False                  # EAGLE-3.1: step k+1 reads step k's post-final-norm hidden
+    no_target: bool = False                    # kv_only control: the target prefix masked out of the keys
     extra: dict = field(default_factory=dict)  # free-form notes (e.g. the target's name)
 
     def __post_init__(self):
@@ -110,6 +120,11 @@ class DrafterConfig:
             raise ValueError(f"drafter.draft_vocab_size={self.draft_vocab_size}: must be in 1..{self.vocab_size}")
         self.target_num_kv_heads = self.target_num_kv_heads or self.num_kv_heads
         self.target_head_dim = self.target_head_dim or self.head_dim
+        if (self.fc_norm or self.norm_output) and not self.uses_features:
+            raise ValueError(f"drafter.fc_norm / drafter.norm_output are EAGLE-3.1 options of the EAGLE-3 family "
+                             f"{list(EAGLE_FAMILY)}; variant {self.variant!r} has no fused features")
+        if self.no_target and self.variant != "kv_only":
+            raise ValueError(f"drafter.no_target is the kv_only control; variant {self.variant!r} does not take it")
         if self.reads_kv and self.injection == "head_concat" and self.target_head_dim != self.head_dim:
             raise ValueError(f"drafter.injection='head_concat' needs head_dim == target head_dim "
                              f"({self.head_dim} != {self.target_head_dim})")
@@ -131,14 +146,15 @@ class DrafterConfig:
 
     @classmethod
     def from_target(cls, target, variant: str = "eagle3", depth: int = 1, injection: str = "linear",
-                    rope_fix: bool = False, draft_vocab_size: int = 0) -> "DrafterConfig":
+                    rope_fix: bool = False, draft_vocab_size: int = 0, fc_norm: bool = False,
+                    norm_output: bool = False, no_target: bool = False) -> "DrafterConfig":
         """Drafter dimensions = target dimensions (as EAGLE-3); draft_vocab_size 0 or >= vocab means full."""
         V = target.vocab_size
         n = V if draft_vocab_size <= 0 or draft_vocab_size >= V else draft_vocab_size
         rot = target.rotary_emb
         cfg = target.config
-        return cls(variant=variant, depth=depth, injection=injection, rope_fix=rope_fix,
-                   hidden_size=target.hidden_size, num_heads=target.num_heads, num_kv_heads=target.num_kv_heads,
+        return cls(variant=variant, depth=depth, injection=injection, rope_fix=rope_fix, fc_norm=fc_norm,
+                   norm_output=norm_output, no_target=no_target, hidden_size=target.hidden_size, num_heads=target.num_heads, num_kv_heads=target.num_kv_heads,
                    head_dim=target.head_dim, intermediate_size=cfg.intermediate_size, vocab_size=V,
                    draft_vocab_size=n, n_features=len(target.feature_layers), n_kv_layers=len(target.kv_layers),
                    target_num_kv_heads=target.num_kv_heads, target_head_dim=target.head_dim,
@@ -216,7 +232,7 @@ class Attention(nn.Module):
         self.v_proj = nn.Linear(in_dim, self.num_kv_heads * hd, bias=False)
         self.o_proj = nn.Linear(H * hd, cfg.hidden_size, bias=False)
         self.register_buffer("hmap", head_map(H, self.num_kv_heads), persistent=False)
-        if cross:
+        if cross and not cfg.no_target:
             self.inject = Injection(cfg)
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, ctx) -> torch.Tensor:
@@ -360,17 +376,21 @@ class _StepContext:
         if self.target_kv is None:
             raise ValueError(f"drafter.step: variant {self.drafter.config.variant!r} reads the target KV; "
                              "target_kv is required")
-        pk, pv = self._prefix(attn)
-        S_t = pk.shape[2]
+        no_target = self.drafter.config.no_target
+        pk, pv = (None, None) if no_target else self._prefix(attn)
+        S_t, dev = self.target_kv[0][0].shape[2], k.device
         B, n = self.self_mask.shape[0], self.self_mask.shape[2]
-        tmask = (torch.ones(B, n, S_t, dtype=torch.bool, device=pk.device) if self.target_mask is None
+        tmask = (torch.ones(B, n, S_t, dtype=torch.bool, device=dev) if self.target_mask is None
                  else self.target_mask.to(torch.bool))
         # an own entry whose input token is already inside the visible target KV is the target's business
-        last = torch.where(tmask, torch.arange(S_t, device=pk.device), -1).amax(-1, keepdim=True)  # [B, n, 1]
+        # (no_target: it stays unseen all the same, so a query sees exactly the chain it sees in training)
+        last = torch.where(tmask, torch.arange(S_t, device=dev), -1).amax(-1, keepdim=True)  # [B, n, 1]
         covered = self.entry_pos[:, None, :] <= last
         K, V = self._own(attn, k, v, "cross")
-        return [KeyBlock(expand_heads(pk, attn.hmap), expand_heads(pv, attn.hmap), tmask[:, None]),
-                KeyBlock(K, V, self.self_mask & ~covered[:, None])]
+        own = KeyBlock(K, V, self.self_mask & ~covered[:, None])
+        if no_target:
+            return [own]
+        return [KeyBlock(expand_heads(pk, attn.hmap), expand_heads(pv, attn.hmap), tmask[:, None]), own]
 
     def _prefix(self, attn: Attention):
         """The projected target prefix of this layer, extended by the target cache's new tail only."""
@@ -413,6 +433,8 @@ class Drafter(nn.Module):
         self.embed_tokens = nn.Embedding(cfg.vocab_size, d)
         self.embed_tokens.weight.requires_grad_(False)
         if cfg.uses_features:
+            if cfg.fc_norm:
+                self.fc_norms = nn.ModuleList(RMSNorm(d, cfg.rms_norm_eps) for _ in range(cfg.n_features))
             self.fc = nn.Linear(cfg.n_features * d, d, bias=False)
         self.layers = nn.ModuleList(DecoderLayer(cfg, i) for i in range(cfg.depth))
         self.norm = RMSNorm(d, cfg.rms_norm_eps)
@@ -470,7 +492,15 @@ class Drafter(nn.Module):
             raise ValueError(f"drafter variant {self.config.variant!r} takes no target features")
         if not torch.is_autocast_enabled():
             features = features.to(self.embed_tokens.weight.dtype)   # the drafter's dtype (fc may be int8)
+        if self.config.fc_norm:
+            parts = features.chunk(self.config.n_features, -1)
+            features = torch.cat([norm(x) for norm, x in zip(self.fc_norms, parts)], -1)
         return self.fc(features)
+
+    def carry(self, hidden: torch.Tensor) -> torch.Tensor:
+        """The hidden that step k+1 reads from step k's output: as is (EAGLE-3), or after the final norm
+        (`norm_output`, EAGLE-3.1)."""
+        return self.norm(hidden) if self.config.norm_output else hidden
 
     def rope(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """cos/sin `[B, 1, n, hd]` (fp32) for positions [B, n]."""
@@ -520,7 +550,7 @@ class Drafter(nn.Module):
         hidden = self.forward_hidden(input_ids, hidden_in, positions, ctx)
         ctx.finish()
         self.last_gates = {i: float(g) for i, g in ctx.gates.items()}
-        return self.head(hidden[:, -1:] if last_only else hidden), hidden
+        return self.head(hidden[:, -1:] if last_only else hidden), self.carry(hidden)
 
 
 # -- warm start from a trained eagle3 -----------------------------------------------------------------------

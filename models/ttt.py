@@ -77,13 +77,15 @@ class _TTTContext:
         return [self._prefix(*self.dense0[attn.layer]), self._chain((attn.layer, "self"), K, V)]
 
     def cross_blocks(self, attn, k, v) -> list[KeyBlock]:
-        if attn.layer not in self.prefix:
+        if attn.layer not in self.prefix and not self.drafter.config.no_target:
             if self.target_kv is None:
                 raise ValueError(f"ttt_unroll: variant {self.drafter.config.variant!r} needs target_kv")
             cos, sin = self.drafter.rope_for_target(self.position_ids)
             pk, pv = attn.inject(self.target_kv, cos, sin)
             self.prefix[attn.layer] = (expand_heads(pk, attn.hmap), expand_heads(pv, attn.hmap))
         chain = self._chain((attn.layer, "cross"), expand_heads(k, attn.hmap), expand_heads(v, attn.hmap))
+        if self.drafter.config.no_target:
+            return [chain]
         return [self._prefix(*self.prefix[attn.layer]), chain]
 
     def record_gate(self, layer: int, g: torch.Tensor) -> None:
@@ -221,7 +223,7 @@ def ttt_unroll(drafter: Drafter, input_ids: torch.Tensor, loss_mask: torch.Tenso
             picked.append(all_logits[-1].reshape(B * T, -1)[idx])
         else:
             picked.append(h.reshape(B * T, -1)[idx])
-        hidden = h
+        hidden = drafter.carry(h)
     # the head and the loss do not feed the next step: run them once over the scored rows of every step
     sizes = [i.numel() for i in idxs]
     z = torch.cat(picked) if return_logits else drafter.head(torch.cat(picked))

@@ -26,6 +26,9 @@ from stages.common import Paths, write_json_atomic
 # The sections of the resolved config that change what a trial trains or measures.
 TRIAL_SECTIONS = ("target", "data", "regenerate", "features", "drafter", "train", "eval")
 MISSING = "missing"
+# Keys added after results were recorded: left out of the hash while they hold these defaults, so a trial that
+# does not use them keeps the fingerprint it had before they existed (its finished run is reused, not retrained).
+ADDED_DEFAULTS = {"drafter.fc_norm": False, "drafter.norm_output": False, "drafter.no_target": False}
 _CHUNK = 1 << 20
 
 
@@ -36,7 +39,11 @@ def _canonical(obj: Any) -> str:
 def config_hash(cfg: Any) -> str:
     """sha256 of the trial-relevant sections of a resolved `pipeline.config.Config` (a model or its dump)."""
     tree = cfg.model_dump() if hasattr(cfg, "model_dump") else dict(cfg)
-    part = {k: tree.get(k) for k in TRIAL_SECTIONS}
+    part = {k: dict(tree[k]) if isinstance(tree.get(k), dict) else tree.get(k) for k in TRIAL_SECTIONS}
+    for key, default in ADDED_DEFAULTS.items():
+        section, name = key.split(".", 1)
+        if isinstance(part.get(section), dict) and part[section].get(name, default) == default:
+            part[section].pop(name, None)
     return hashlib.sha256(_canonical(part).encode()).hexdigest()
 
 

@@ -48,7 +48,7 @@ ADHOC = "adhoc"
 VARIANT = "drafter.variant"
 SEED = "train.seed"
 # Drafter settings an eagle3 drafter does not use: a ckpt child's parent ignores them.
-_EAGLE3_IGNORES = ("drafter.variant", "drafter.injection", "drafter.rope_fix", "drafter.init")
+_EAGLE3_IGNORES = ("drafter.variant", "drafter.injection", "drafter.rope_fix", "drafter.init", "drafter.no_target")
 
 
 # -- planning ----------------------------------------------------------------------------------------------------
@@ -64,6 +64,8 @@ def _token(key: str, value: Any) -> str:
         text = str(value)
     elif short == "seed":
         text = f"s{value}"
+    elif short == "no_target":
+        text = "no_target" if value else "target"
     elif isinstance(value, bool):
         text = short if value else f"no_{short}"
     else:

@@ -33,6 +33,12 @@ class DrafterParams(Section):
     rope_fix: bool = False
     init: Literal["ckpt", "random"] = "ckpt"
     draft_vocab_size: int = Field(8192, ge=0)   # 0 = the full target vocabulary
+    # EAGLE-3.1 (eagle3, hybrid, cross_only): an RMSNorm per fused feature before fc; the post-norm output hidden
+    # fed to the next step. eagle3 with both on is "EAGLE-3.1".
+    fc_norm: bool = False
+    norm_output: bool = False
+    # kv_only with the target prefix masked out of its keys: the paper's "no target information" control
+    no_target: bool = False
 
 
 class TrainParams(Section):
@@ -229,7 +235,8 @@ def build_drafter(target, drafter: DrafterParams, counts: torch.Tensor, head_ini
 
     cfg = DrafterConfig.from_target(target, variant=drafter.variant, depth=drafter.depth,
                                     injection=drafter.injection, rope_fix=drafter.rope_fix,
-                                    draft_vocab_size=drafter.draft_vocab_size)
+                                    draft_vocab_size=drafter.draft_vocab_size, fc_norm=drafter.fc_norm,
+                                    norm_output=drafter.norm_output, no_target=drafter.no_target)
     model = Drafter(cfg)
     d2t, _ = build_draft_vocab(counts, cfg.draft_vocab_size)
     model.set_vocab(d2t)

@@ -11,6 +11,9 @@ VARIANT_GRID = (
        for i in ("linear", "head_concat") for r in (False, True) for d in (1, 2)]
     + [dict(variant="hybrid", depth=1), dict(variant="hybrid", depth=2, rope_fix=True),
        dict(variant="hybrid", depth=1, injection="head_concat"), dict(variant="cross_only", depth=1)]
+    # EAGLE-3.1's normalisations, and the no-target control
+    + [dict(variant="eagle3", depth=2, fc_norm=True, norm_output=True), dict(variant="hybrid", depth=1, norm_output=True),
+       dict(variant="cross_only", depth=1, fc_norm=True), dict(variant="kv_only", depth=2, no_target=True)]
 )
 
 

@@ -84,3 +84,15 @@ def test_paper_profile_fails_fast_without_cuda():
 def test_flatten_lists_every_leaf():
     flat = flatten(load_config("smoke"))
     assert flat["drafter.variant"] == "kv_only" and "train.lr" in flat and "data.scales.small" in flat
+
+
+def test_options_added_later_keep_old_fingerprints_while_off():
+    from pipeline.config import load_config, with_values
+    from pipeline.fingerprint import config_hash
+
+    cfg = load_config("smoke")
+    old = cfg.model_dump()
+    for key in ("fc_norm", "norm_output", "no_target"):
+        old["drafter"].pop(key)
+    assert config_hash(cfg) == config_hash(old)
+    assert config_hash(with_values(cfg, {"drafter.fc_norm": True})) != config_hash(cfg)

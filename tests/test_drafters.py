@@ -232,3 +232,67 @@ def test_bf16_model_and_autocast_stay_close_to_fp32(llama, spec):
         o = ttt_unroll(d, ids, torch.ones_like(ids), features=feats, target_kv=kvb, target_logits=logits, steps=2,
                        return_logits=True)
     assert (o.logits[0][:, :-1].float() - ref[0][:, :-1]).abs().max() < 0.1
+
+
+def test_eagle31_options_off_are_eagle3_bit_for_bit(llama):
+    """fc_norm / norm_output default off: the same weights, the same unroll and the same steps as before."""
+    tgt, (ids, feats, kv, logits) = llama
+    plain = make_drafter(tgt, seed=3, variant="eagle3", depth=2)
+    off = make_drafter(tgt, seed=3, variant="eagle3", depth=2, fc_norm=False, norm_output=False)
+    assert plain.state_dict().keys() == off.state_dict().keys()
+    for name, t in plain.state_dict().items():
+        assert torch.equal(t, off.state_dict()[name]), name
+    with torch.no_grad():
+        a = ttt_unroll(plain, ids, torch.ones_like(ids), features=feats, target_logits=logits, steps=3,
+                       return_logits=True)
+        b = ttt_unroll(off, ids, torch.ones_like(ids), features=feats, target_logits=logits, steps=3,
+                       return_logits=True)
+    assert all(torch.equal(x, y) for x, y in zip(a.logits, b.logits))
+    on = make_drafter(tgt, seed=3, variant="eagle3", depth=2, fc_norm=True, norm_output=True)
+    assert {"fc_norms.0.weight", "fc_norms.2.weight"} <= set(on.state_dict())
+    with torch.no_grad():
+        c = ttt_unroll(on, ids, torch.ones_like(ids), features=feats, target_logits=logits, steps=3,
+                       return_logits=True)
+    assert not torch.allclose(c.logits[1], a.logits[1])
+    with pytest.raises(ValueError, match="EAGLE-3.1 options"):
+        DrafterConfig.from_target(tgt, variant="kv_only", fc_norm=True)
+
+
+def test_fc_norm_normalises_each_feature_and_norm_output_feeds_the_normed_hidden(llama):
+    tgt, (ids, feats, kv, logits) = llama
+    d = make_drafter(tgt, variant="eagle3", fc_norm=True, norm_output=True)
+    big, bigger = feats.clone(), feats.clone()
+    big[..., :48] *= 100.0               # one feature rescaled: its own RMSNorm takes the scale out
+    bigger[..., :48] *= 1000.0
+    with torch.no_grad():
+        torch.testing.assert_close(d.fuse(big), d.fuse(bigger), rtol=1e-4, atol=1e-5)
+        assert not torch.allclose(d.fuse(big), make_drafter(tgt, variant="eagle3").fuse(bigger))
+        h = torch.randn(1, 2, 48)
+        torch.testing.assert_close(d.carry(h), d.norm(h))
+    d.config.norm_output = False
+    assert torch.equal(d.carry(h), h)
+
+
+def test_no_target_control_ignores_the_target_kv(llama):
+    """The paper's no-target control: replacing the target KV by random tensors changes nothing, in the unroll
+    and in incremental decoding steps."""
+    tgt, (ids, feats, kv, logits) = llama
+    d = make_drafter(tgt, variant="kv_only", depth=2, no_target=True)
+    assert not any(".inject." in n for n in d.state_dict())
+    noise = [(torch.randn_like(k) * 5, torch.randn_like(v) * 5) for k, v in kv]
+    with torch.no_grad():
+        a = ttt_unroll(d, ids, torch.ones_like(ids), target_kv=kv, target_logits=logits, steps=3, return_logits=True)
+        b = ttt_unroll(d, ids, torch.ones_like(ids), target_kv=noise, target_logits=logits, steps=3,
+                       return_logits=True)
+    assert all(torch.equal(x, y) for x, y in zip(a.logits, b.logits))
+    torch.testing.assert_close(naive_logits(d, ids, None, kv, 3), naive_logits(d, ids, None, noise, 3),
+                               rtol=0, atol=0, equal_nan=True)
+    reader = make_drafter(tgt, variant="kv_only", depth=2)   # the same drafter reading the KV does change
+    with torch.no_grad():
+        c = ttt_unroll(reader, ids, torch.ones_like(ids), target_kv=noise, target_logits=logits, steps=1,
+                       return_logits=True)
+        e = ttt_unroll(reader, ids, torch.ones_like(ids), target_kv=kv, target_logits=logits, steps=1,
+                       return_logits=True)
+    assert not torch.allclose(c.logits[0], e.logits[0])
+    with pytest.raises(ValueError, match="no_target"):
+        DrafterConfig.from_target(tgt, variant="hybrid", no_target=True)
