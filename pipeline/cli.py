@@ -233,7 +233,8 @@ def write_curves(paths, study: str) -> None:
         for k, a in enumerate(alpha):
             records.append({"trial": row["trial"], "k": k, "alpha": a, "acc": acc[k] if k < len(acc) else None})
         numbers = {f"alpha_{k}": alpha[k] for k in (0, 3, 6) if k < len(alpha)}
-        numbers.update({f"acc_{k}": acc[k] for k in (0, 6) if k < len(acc)})
+        numbers.update({f"acc_{k}": acc[k] for k in (0, 3, 6) if k < len(acc)})
+        numbers.update({k: row.get(k) for k in ("step_mat", "step_retention", "chain_mat", "chain_retention")})
         numbers.update(mat=row.get("mat"), retention=row.get("retention"))
         summary[row["trial"]] = {k: v for k, v in numbers.items() if v is not None}
     write_json_atomic(paths.root / "metrics" / "curves" / f"{study}.json", records)

@@ -40,12 +40,14 @@ from rich.table import Table
 
 from pipeline.config import Config, ConfigError, resolve_key, with_values
 from pipeline.fingerprint import HashCache, data_hashes, fingerprint
-from pipeline.trial import (Trial, TrialFn, adopt_finished, base_row, cached_result, evaluate_runs, execute,
-                            failed_row, json_safe, needs_parent, prepare_run_dir, run_trial, train_trial)
+from pipeline.trial import (CKPT_CHILDREN, CONTINUED, Trial, TrialFn, adopt_finished, base_row, cached_result,
+                            evaluate_runs, execute, failed_row, is_continued, json_safe, needs_parent,
+                            prepare_run_dir, run_trial, train_trial)
 from stages.common import Paths, Report, write_json_atomic
 
 ADHOC = "adhoc"
 VARIANT = "drafter.variant"
+INIT = "drafter.init"
 SEED = "train.seed"
 # Drafter settings an eagle3 drafter does not use: a ckpt child's parent ignores them.
 _EAGLE3_IGNORES = ("drafter.variant", "drafter.injection", "drafter.rope_fix", "drafter.init", "drafter.no_target")
@@ -116,7 +118,10 @@ def plan(cfg: Config, axes: dict[str, list[Any]] | None = None, study: str | Non
     - Otherwise the sweep is ad hoc: the grid is `axes` over `cfg` (variant defaults to the profile's), in a study
       named `study` or "adhoc".
     - hybrid/cross_only with init=ckpt depend on the eagle3 trial of the same data, training settings and seed;
-      that trial is added when the plan lacks it.
+      that trial is added when the plan lacks it. So is, once per parent, the compute-matched control such a
+      child is compared with (DESIGN §4): an eagle3 with init=continued, the parent continued for the child's
+      schedule. Its config is the parent's with init=continued, the same in every study, so its fingerprint is
+      shared and it trains once.
     Names are `<variant>-<values that vary>`, unique and stable for the same plan.
     """
     axes = _resolve_axes(axes or {})
@@ -156,17 +161,33 @@ def plan(cfg: Config, axes: dict[str, list[Any]] | None = None, study: str | Non
         key = _config_key(trial_cfg)
         if key not in seen:
             seen.add(key)
+            if is_continued(trial_cfg):
+                values = {**values, INIT: CONTINUED}     # named as such even when set for the whole sweep
             resolved.append((values, trial_cfg))
 
-    # Parents of ckpt-initialised children, added when missing.
-    parents_by_key = {_parent_key(c): i for i, (v, c) in enumerate(resolved) if c.drafter.variant == "eagle3"}
+    # Parents of ckpt-initialised children (and of continued eagle3s), added when missing.
+    parents_by_key = {_parent_key(c): i for i, (v, c) in enumerate(resolved)
+                      if c.drafter.variant == "eagle3" and not is_continued(c)}
     for values, trial_cfg in list(resolved):
         if needs_parent(trial_cfg) and _parent_key(trial_cfg) not in parents_by_key:
             pvals = {k: v for k, v in values.items() if k not in _EAGLE3_IGNORES}
             pvals[VARIANT] = "eagle3"
-            pcfg = with_values(trial_cfg, {VARIANT: "eagle3"}, origin=f"study {name}: eagle3 parent")
+            plain = {VARIANT: "eagle3"}
+            if is_continued(trial_cfg):
+                plain[INIT] = "ckpt"       # a plain eagle3 (init is not read by eagle3 training)
+            pcfg = with_values(trial_cfg, plain, origin=f"study {name}: eagle3 parent")
             parents_by_key[_parent_key(pcfg)] = len(resolved)
             resolved.append((pvals, pcfg))
+
+    # The compute-matched control of every ckpt child: its parent continued for the same schedule, once per parent.
+    controlled = {_parent_key(c) for _, c in resolved if is_continued(c)}
+    for values, trial_cfg in list(resolved):
+        key = _parent_key(trial_cfg)
+        if trial_cfg.drafter.variant in CKPT_CHILDREN and trial_cfg.drafter.init == "ckpt" and key not in controlled:
+            pvals, pcfg = resolved[parents_by_key[key]]
+            resolved.append(({**pvals, INIT: CONTINUED},
+                             with_values(pcfg, {INIT: CONTINUED}, origin=f"study {name}: eagle3 continued")))
+            controlled.add(key)
 
     naming = _naming_keys([v for v, _ in resolved])
     names = _unique_names([(trial_name(c.drafter.variant, v, naming), v) for v, c in resolved])
@@ -433,7 +454,9 @@ class _Forward:
         self.rows[name] = row
         ok = row["status"] == "ok"
         style = "green" if ok else "red"
-        detail = f"MAT {row['mat']:.3f}" if ok and isinstance(row.get("mat"), (int, float)) else row.get("error", "")
+        detail = (f"step MAT {row['step_mat']:.3f}, chain MAT {row['chain_mat']:.3f}"
+                  if ok and isinstance(row.get("step_mat"), (int, float)) and isinstance(row.get("chain_mat"), (int, float))
+                  else f"MAT {row['mat']:.3f}" if ok and isinstance(row.get("mat"), (int, float)) else row.get("error", ""))
         self.console.print(f"[{style}]{row['status']}[/] {self.trials[name].study}/{name} {detail}")
         run_id = self.run_ids.get(name)
         if run_id is None:
@@ -559,6 +582,8 @@ def run_sweep(trials: list[Trial], paths: Paths, trial_fn: TrialFn = run_trial, 
 
     tracker = Tracker(cfg.tracking, paths.root, study) if track else None
     commit = git_commit(paths.root)
+    for t in todo:
+        t.commit = commit
     parent_id = None
     if tracker:
         parent_id = tracker.start_run(
@@ -612,7 +637,7 @@ def _fmt(v: Any) -> str:
 
 
 def show_summary(result: SweepResult, trials: list[Trial], console: Console | None = None) -> Table:
-    """The end-of-sweep table: the values that vary, α_0, α_6, MAT, retention, status, wall time."""
+    """The end-of-sweep table: the values that vary, acc_0, acc_6, step MAT, chain α_6 and MAT, status, time."""
     console = console or Console()
     keys = [k for k in varying_keys(trials) if k != VARIANT]
     table = Table(title=f"sweep {result.study}: {len(result.ran)} ran, {len(result.skipped)} reused, "
@@ -620,13 +645,13 @@ def show_summary(result: SweepResult, trials: list[Trial], console: Console | No
     _name_columns(table, trials)
     for k in keys:
         table.add_column(_short(k), overflow="fold")
-    for col in ("α_0", "α_6", "MAT", "retention", "status", "wall s"):
+    for col in ("acc_0", "acc_6", "step MAT", "α_6 (chain)", "chain MAT", "status", "wall s"):
         table.add_column(col, justify="left" if col == "status" else "right")
     by_name = {t.name: t for t in trials}
     errors = []
     for row in result.rows:
         t = by_name[row["trial"]]
-        alpha = row.get("alpha") or []
+        alpha, acc = row.get("alpha") or [], row.get("acc") or []
         status = row.get("status", "?")
         if status == "ok" and row.get("cached"):
             status = "reused"
@@ -634,8 +659,8 @@ def show_summary(result: SweepResult, trials: list[Trial], console: Console | No
             errors.append(f"[red]{t.name}[/]: {row.get('error', '')}")
             status = f"[red]{status}[/]"
         table.add_row(t.name, t.variant, *[str(t.values.get(k, "·")) for k in keys],
-                      _fmt(alpha[0] if alpha else None), _fmt(alpha[6] if len(alpha) > 6 else None),
-                      _fmt(row.get("mat")), _fmt(row.get("retention")), status,
+                      _fmt(acc[0] if acc else None), _fmt(acc[6] if len(acc) > 6 else None), _fmt(row.get("step_mat")),
+                      _fmt(alpha[6] if len(alpha) > 6 else None), _fmt(row.get("chain_mat", row.get("mat"))), status,
                       f"{row['wall_s']:.1f}" if isinstance(row.get("wall_s"), (int, float)) else "–")
     _print_table(console, table)
     for line in errors:

@@ -165,7 +165,8 @@ class Tracker:
             if name not in skip:
                 for k, v in enumerate(row.get(name) or []):
                     self.log_metrics(run_id, {name: v}, step=k)
-        self.log_metrics(run_id, {k: row.get(k) for k in ("mat", "retention", "wall_s") if k not in skip})
+        self.log_metrics(run_id, {k: row.get(k) for k in ("mat", "retention", "step_mat", "step_retention", "chain_mat",
+                                                          "chain_retention", "agreement", "wall_s") if k not in skip})
         alpha = row.get("alpha") or []
         if alpha:
             self.log_metrics(run_id, {f"alpha_{k}": v for k, v in enumerate(alpha)})

@@ -23,6 +23,7 @@ RESULT_FILE = "result.json"
 FINGERPRINT_FILE = "fingerprint"
 # Variants whose init=ckpt loads the trained eagle3 drafter of the same data (DESIGN §5).
 CKPT_CHILDREN = ("hybrid", "cross_only")
+CONTINUED = "continued"
 
 
 @dataclass
@@ -36,6 +37,7 @@ class Trial:
     depends_on: str | None = None             # the eagle3 trial a ckpt-initialised child loads
     fingerprint: str = ""                     # set by the runner before the trial starts
     data_hashes: dict[str, str] = field(default_factory=dict)
+    commit: str = ""                          # the code it is trained with (set by the runner; kept in its row)
 
     @property
     def variant(self) -> str:
@@ -49,8 +51,14 @@ TrialFn = Callable[[Trial, Paths, Report], dict]
 
 
 def needs_parent(cfg: Any) -> bool:
-    """Does this config initialise from a trained eagle3 drafter?"""
-    return cfg.drafter.variant in CKPT_CHILDREN and cfg.drafter.init == "ckpt"
+    """Does this config initialise from a trained eagle3 drafter (a ckpt child, or the continued eagle3)?"""
+    d = cfg.drafter
+    return (d.variant in CKPT_CHILDREN and d.init == "ckpt") or (d.variant == "eagle3" and d.init == CONTINUED)
+
+
+def is_continued(cfg: Any) -> bool:
+    """The compute-matched control: an eagle3 continued from the trained eagle3 for a child's schedule."""
+    return cfg.drafter.variant == "eagle3" and cfg.drafter.init == CONTINUED
 
 
 # -- the run directory -------------------------------------------------------------------------------------------
@@ -137,7 +145,8 @@ def base_row(trial: Trial) -> dict:
     d, t = trial.config.drafter, trial.config.train
     return {"trial": trial.name, "study": trial.study, "variant": d.variant, "depth": d.depth,
             "injection": d.injection, "rope_fix": d.rope_fix, "init": d.init, "scale": t.scale, "seed": t.seed,
-            "values": trial.values, "fingerprint": trial.fingerprint}
+            "values": trial.values, "fingerprint": trial.fingerprint,
+            **({"git_commit": trial.commit} if trial.commit else {})}
 
 
 def failed_row(trial: Trial, error: str, wall_s: float | None = None) -> dict:

@@ -80,11 +80,16 @@ def _tally(results: list, refs: list, tol: float, exact_required: bool) -> dict[
     rounds = sum(len(r.accept_lengths) if r.accept_lengths else r.rounds for r in results)
     checks = [lossless_at_near_tie(ref.tokens, ref.logits, r.tokens, tol) for r, ref in zip(results, refs)]
     tps, base = tokens / seconds, base_tokens / base_seconds
+    # every prompt's sums, which the report resamples for τ and speedup intervals (paired: same prompts, same refs)
+    per_prompt = {"accepted": [sum(r.accept_lengths) if r.accept_lengths else len(r.tokens) - 1 for r in results],
+                  "rounds": [len(r.accept_lengths) if r.accept_lengths else r.rounds for r in results],
+                  "tokens": [len(r.tokens) for r in results], "seconds": [round(r.seconds, 6) for r in results],
+                  "greedy_tokens": [len(r.tokens) for r in refs], "greedy_seconds": [round(r.seconds, 6) for r in refs]}
     return {"tau": lengths / rounds if rounds else 1.0, "tokens_per_s": tps, "baseline_tokens_per_s": base,
             "speedup": tps / base, "draft_time_share": sum(r.draft_seconds for r in results) / seconds,
             "exact_match": sum(c.exact for c in checks) / len(checks),
             "lossless": all(c.exact if exact_required else c.lossless for c in checks),
-            "max_tie_gap": max((c.gap for c in checks if c.gap is not None), default=0.0)}
+            "max_tie_gap": max((c.gap for c in checks if c.gap is not None), default=0.0), "per_prompt": per_prompt}
 
 
 def _relative(path: Path, root: Path) -> str:
@@ -100,7 +105,8 @@ def _setting(run_dir: Path, config: dict, root: Path) -> dict[str, Any]:
                 config.get("drafter", {}))
     return {"trial": Path(run_dir).name, "variant": dr.get("variant"), "depth": dr.get("depth"),
             "injection": d.get("injection", dr.get("injection")), "rope_fix": d.get("rope_fix", dr.get("rope_fix")),
-            "init": d.get("init"), "scale": t.get("scale"), "seed": t.get("seed"), "run_dir": _relative(run_dir, root)}
+            "init": d.get("init"), "scale": t.get("scale"), "seed": t.get("seed"), "run_dir": _relative(run_dir, root),
+            **{k: True for k in ("fc_norm", "norm_output", "no_target") if dr.get(k)}}
 
 
 def run(params: E2EParams, run_dirs, paths: Paths, report: Report, *, target: TargetParams,

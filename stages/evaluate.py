@@ -1,4 +1,4 @@
-"""evaluate: step-wise acceptance (alpha_k, acc_k, MAT, retention) of trained drafters -> metrics/stepwise/.
+"""evaluate: step accuracy (acc_k, step MAT) and chain acceptance (α_k, chain MAT) of trained drafters.
 
 Each trained drafter runs the same K-step teacher-forced unroll it was trained with (models.ttt), without
 gradients, over the held-out conversations: the eval feature cache `data/features/eval/` by default, or any
@@ -6,7 +6,11 @@ conversation JSONL (DESIGN §10 schema) given as `eval.data=PATH`, tokenised wit
 run through the target here. Scoring follows DESIGN §4: at position t and step k the drafter's top-1 (mapped to
 a target id through d2t) must equal the target's top-1 for token t+2+k, over assistant tokens. Unlike the
 training loss, a position whose target top-1 lies outside the draft vocabulary is scored as a miss (a drafter
-cannot propose that token), so α_k is what speculative decoding would accept.
+cannot propose that token). A chain (α_k) also stops where the data token fed to the next step differs from the
+target's greedy top-1, so it is the chain tree decoding would see; the row's `agreement` is how often they agree.
+
+Each row keeps the counts of every conversation (`per_conversation`), which is what the report's bootstrap
+intervals resample; `kvshot evaluate` prints acc_6 and α_6 with their standard errors.
 """
 from __future__ import annotations
 
@@ -39,11 +43,12 @@ def _shift(x: torch.Tensor, s: int, fill) -> torch.Tensor:
 
 @torch.no_grad()
 def stepwise_masks(model, batch, lm_head_weight: torch.Tensor, steps: int,
-                   strict: bool = True) -> tuple[torch.Tensor, torch.Tensor, Any]:
-    """(correct [K, B, T], valid [K, B, T], the TTT output) of one batch.
+                   strict: bool = True) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, Any]:
+    """(correct, valid, agree [K, B, T], the TTT output) of one batch.
 
     valid: token t+2+k exists, is an assistant token, not padding. correct: the drafter's top-1 at (t, k) is the
-    target's top-1 for that token. strict=False also drops positions whose target top-1 is outside the draft
+    target's top-1 for that token. agree: that token in the data is the target's top-1 (what step k+1 is fed is
+    what decoding would have accepted). strict=False also drops positions whose target top-1 is outside the draft
     vocabulary from `valid`, as the training loss does (the TTT's own counts then agree with these masks).
     """
     from models.ttt import ttt_unroll
@@ -56,7 +61,7 @@ def stepwise_masks(model, batch, lm_head_weight: torch.Tensor, steps: int,
     top = target_logits.argmax(-1)                                   # target id predicted after position t
     scored = batch.loss_mask.bool() & batch.attention_mask.bool()
     in_vocab = model.t2d[top]
-    correct, valid = [], []
+    correct, valid, agree = [], [], []
     for k, z in enumerate(out.logits):
         want = _shift(top, 1 + k, -1)
         v = _shift(scored, 2 + k, False)
@@ -64,25 +69,44 @@ def stepwise_masks(model, batch, lm_head_weight: torch.Tensor, steps: int,
             v = v & _shift(in_vocab, 1 + k, False)
         correct.append(model.d2t[z.argmax(-1)] == want)
         valid.append(v)
-    return torch.stack(correct), torch.stack(valid), out
+        agree.append(_shift(batch.input_ids, 2 + k, -1) == want)
+    return torch.stack(correct), torch.stack(valid), torch.stack(agree), out
 
 
 def evaluate_drafter(model, source, lm_head_weight: torch.Tensor, steps: int, batch_size: int,
-                     precision: str = "fp32", progress=None):
-    """Summed step counts (models.metrics.StepCounts) of one drafter over every conversation of `source`."""
-    from models.metrics import StepCounts, step_counts
+                     precision: str = "fp32", progress=None) -> list:
+    """The step counts (models.metrics.StepCounts) of one drafter on each conversation of `source`, in order;
+    their sum is the data set's."""
+    from models.metrics import step_counts
 
     device = lm_head_weight.device
-    total = StepCounts.zeros(steps)
+    per_conversation = []
     dtype = None if precision == "bf16" else torch.float32
     for start in range(0, len(source), batch_size):
         batch = source.batch(list(range(start, min(start + batch_size, len(source))))).to(dtype, device)
         with torch.autocast(device.type, dtype=torch.bfloat16, enabled=precision == "bf16"):
-            correct, valid, _ = stepwise_masks(model, batch, lm_head_weight, steps)
-        total = total + step_counts(correct, valid)
+            correct, valid, agree, _ = stepwise_masks(model, batch, lm_head_weight, steps)
+        per_conversation += [step_counts(correct[:, b], valid[:, b], agree[:, b]) for b in range(correct.shape[1])]
         if progress is not None:
             progress(batch.input_ids.shape[0])
-    return total
+    return per_conversation
+
+
+def conversation_ids(source) -> list[str]:
+    """The ids of the source's conversations in order (positions when the source has none)."""
+    ids = getattr(getattr(source, "reader", None), "ids", None) or getattr(source, "ids", None)
+    n = len(source)
+    return [str(i) for i in ids[:n]] if ids is not None and len(ids) >= n else [str(i) for i in range(n)]
+
+
+def pack_conversations(ids: list[str], counts: list) -> dict:
+    """Per-conversation counts as compact columns: {"ids": [...], "valid": [[K ints] per conversation], ...}."""
+    from models.metrics import FIELDS
+
+    out = {"ids": list(ids)}
+    for f in (*FIELDS, "agree"):
+        out[f] = [list(getattr(c, f)) for c in counts]
+    return out
 
 
 # -- where the held-out conversations come from ------------------------------------------------------------------
@@ -126,19 +150,34 @@ def read_conversations(path: Path) -> list[dict]:
 
 # -- the stage ---------------------------------------------------------------------------------------------------
 
-def row_for(run_dir: Path, config: dict, counts, steps: int, positions: int) -> dict:
-    """One stepwise row (DESIGN §10) from a run's config.json and its summed counts."""
+SETTING_FIELDS = ("fc_norm", "norm_output", "no_target")   # drafter options a row names (when on)
+
+
+def row_for(run_dir: Path, config: dict, counts, steps: int, positions: int,
+            per_conversation: dict | None = None) -> dict:
+    """One stepwise row (DESIGN §10) from a run's config.json and its summed counts (plus, when given, the
+    per-conversation counts the report's intervals resample)."""
     from models.metrics import summary
 
     d = config.get("params", {}).get("drafter", {})
     t = config.get("params", {}).get("train", {})
-    s = summary(counts)
-    return {"trial": Path(run_dir).name, "variant": config["drafter"]["variant"], "depth": config["drafter"]["depth"],
-            "injection": d.get("injection", config["drafter"].get("injection")),
-            "rope_fix": d.get("rope_fix", config["drafter"].get("rope_fix")), "init": d.get("init"),
-            "scale": t.get("scale"), "seed": t.get("seed"), "steps": steps,
-            "alpha": s["alpha"], "acc": s["acc"], "mat": s["mat"], "retention": s["retention"],
-            "n_positions": positions, "counts": counts.to_dict()}
+    row = {"trial": Path(run_dir).name, "variant": config["drafter"]["variant"], "depth": config["drafter"]["depth"],
+           "injection": d.get("injection", config["drafter"].get("injection")),
+           "rope_fix": d.get("rope_fix", config["drafter"].get("rope_fix")), "init": d.get("init"),
+           "scale": t.get("scale"), "seed": t.get("seed"), "steps": steps,
+           **{k: bool(d.get(k)) for k in SETTING_FIELDS if d.get(k)},
+           **summary(counts), "n_positions": positions, "counts": counts.to_dict()}
+    if per_conversation is not None:
+        row["per_conversation"] = per_conversation
+    return row
+
+
+def standard_errors(per_conversation: list, k: int) -> tuple[float, float]:
+    """Standard errors of acc_k and α_k over conversations (a bootstrap of the conversations' counts)."""
+    from models.stats import bootstrap_counts, counts_array
+
+    draws = bootstrap_counts(counts_array([per_conversation]), draws=400, seed=0)
+    return float(draws.acc[:, k].std()), float(draws.alpha[:, k].std())
 
 
 def run(params: EvalParams, run_dirs: list[Path], paths: Paths, report: Report, *, target: TargetParams,
@@ -163,12 +202,22 @@ def run(params: EvalParams, run_dirs: list[Path], paths: Paths, report: Report, 
             steps = params.steps or int(trained.get("ttt_steps", 7))
             precision = params.precision or trained.get("precision", "fp32")
             task = bar.add_task(f"eval {run_dir.name}", total=len(src))
-            counts = evaluate_drafter(model, src, lm_head, steps, params.batch_size, precision,
-                                      progress=lambda n: bar.advance(task, n))
-            row = row_for(run_dir, config, counts, steps, positions=counts.valid[0])
+            per_conv = evaluate_drafter(model, src, lm_head, steps, params.batch_size, precision,
+                                        progress=lambda n: bar.advance(task, n))
+            counts = sum(per_conv[1:], per_conv[0])
+            row = row_for(run_dir, config, counts, steps, positions=counts.valid[0],
+                          per_conversation=pack_conversations(conversation_ids(src), per_conv))
+            k = steps - 1
+            se_acc, se_alpha = standard_errors(per_conv, k)
+            row.update({f"acc_{k}_se": se_acc, f"alpha_{k}_se": se_alpha})
+            bar.console.print(f"eval {run_dir.name}: acc_{k} {row['acc'][k]:.3f} ± {se_acc:.3f} (se), "
+                              f"α_{k} {row['alpha'][k]:.3f} ± {se_alpha:.3f} (se, {counts.chain[k]} chains), "
+                              f"step MAT {row['step_mat']:.3f}, chain MAT {row['chain_mat']:.3f}, "
+                              f"{len(per_conv)} conversations", highlight=False)
             for k, (a, c) in enumerate(zip(row["alpha"], row["acc"])):
                 report({"alpha": a, "acc": c}, step=k)
-            report({"mat": row["mat"], "retention": row["retention"]}, step=None)
+            report({k: row[k] for k in ("step_mat", "step_retention", "chain_mat", "chain_retention", "mat",
+                                        "retention", "agreement")}, step=None)
             rows.append(row)
     return rows
 

@@ -22,6 +22,7 @@ from stages.common import Paths, Report, Section, StageError, TargetParams, load
 
 Variant = Literal["eagle3", "kv_only", "hybrid", "cross_only"]
 CKPT_CHILDREN = ("hybrid", "cross_only")   # variants whose init=ckpt loads a trained eagle3 drafter
+CONTINUED = "continued"                    # eagle3 init: every tensor of the trained eagle3 parent, then a schedule
 
 
 class DrafterParams(Section):
@@ -31,7 +32,10 @@ class DrafterParams(Section):
     depth: int = Field(1, ge=1, le=8)
     injection: Literal["linear", "head_concat"] = "linear"
     rope_fix: bool = False
-    init: Literal["ckpt", "random"] = "ckpt"
+    # hybrid / cross_only: `ckpt` loads the shared tensors of the trained eagle3 of the same data, `random` starts
+    # fresh. eagle3: `continued` is the compute-matched control of a ckpt child: the same trained eagle3 continued
+    # for the child's schedule (ckpt / random: a fresh eagle3)
+    init: Literal["ckpt", "random", "continued"] = "ckpt"
     draft_vocab_size: int = Field(8192, ge=0)   # 0 = the full target vocabulary
     # EAGLE-3.1 (eagle3, hybrid, cross_only): an RMSNorm per fused feature before fc; the post-norm output hidden
     # fed to the next step. eagle3 with both on is "EAGLE-3.1".
@@ -225,7 +229,12 @@ def open_source(params: TrainParams, paths: Paths, target, *, data: Any = None, 
 # -- the drafter -------------------------------------------------------------------------------------------------
 
 def needs_parent(drafter: DrafterParams) -> bool:
-    return drafter.variant in CKPT_CHILDREN and drafter.init == "ckpt"
+    """Does this drafter start from a trained eagle3 run (init=ckpt child, or the continued eagle3 control)?"""
+    if drafter.init == CONTINUED and drafter.variant != "eagle3":
+        raise StageError(f"drafter.init={CONTINUED!r} continues a trained eagle3; variant {drafter.variant!r} takes "
+                         "init=ckpt or init=random")
+    return (drafter.variant in CKPT_CHILDREN and drafter.init == "ckpt") or \
+        (drafter.variant == "eagle3" and drafter.init == CONTINUED)
 
 
 def build_drafter(target, drafter: DrafterParams, counts: torch.Tensor, head_init: str = "random"):
@@ -264,10 +273,16 @@ def copy_run_weights(model, run: Path, variant: str, what: str, missing: str) ->
 
 
 def init_from_parent(model, init_from: Path | None, drafter: DrafterParams) -> dict:
-    """init=ckpt: copy the shared tensors of the trained eagle3 run in `init_from` (DESIGN §5)."""
-    what = f"drafter.init=ckpt for variant {drafter.variant!r}"
+    """init=ckpt: copy the shared tensors of the trained eagle3 run in `init_from` (DESIGN §5); an eagle3 with
+    init=continued copies every tensor of it (the compute-matched control)."""
+    what = f"drafter.init={drafter.init} for variant {drafter.variant!r}"
     if init_from is None:
         raise StageError(f"{what}: needs the trained eagle3 run directory (init_from), none given")
+    if drafter.init == CONTINUED:
+        if not ckpt.is_trained(init_from):
+            raise StageError(f"{what}: no trained eagle3 drafter in {init_from} (train the eagle3 trial first)")
+        return {"init_from": str(init_from), "continued_from": str(init_from),
+                **continue_training(model, Path(init_from), drafter)}
     loaded, new = copy_run_weights(model, init_from, "eagle3", what,
                                    f"no trained eagle3 drafter in {init_from} (train the eagle3 trial first)")
     return {"init_from": str(init_from), "loaded": len(loaded), "new": new}

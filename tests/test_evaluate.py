@@ -79,9 +79,9 @@ def test_strict_scoring_counts_out_of_vocabulary_as_misses(target, trained, held
     model, _ = ckpt.load_drafter(trained[0], target)
     batch = held_out.batch([0, 1, 2])
     W = target.lm_head.weight
-    correct, valid, out = stepwise_masks(model, batch, W, steps=7, strict=False)
+    correct, valid, _, out = stepwise_masks(model, batch, W, steps=7, strict=False)
     assert step_counts(correct, valid) == out.counts
-    s_correct, s_valid, _ = stepwise_masks(model, batch, W, steps=7, strict=True)
+    s_correct, s_valid, _, _ = stepwise_masks(model, batch, W, steps=7, strict=True)
     assert torch.equal(s_correct, correct) and (s_valid >= valid).all()
     strict, loose = step_counts(s_correct, s_valid), out.counts
     assert strict.correct == loose.correct and all(a >= b for a, b in zip(strict.valid, loose.valid))
@@ -145,3 +145,18 @@ def test_reads_the_eval_feature_cache(tmp_path, target, trained):
     few = run(EvalParams(max_conversations=2, max_len=10), trained[:1], paths, Log(), target=TargetParams(),
               loaded_target=target)
     assert few[0]["n_positions"] == sum(sum(m[2:10]) for _, m in convs[:2])
+
+
+def test_rows_keep_per_conversation_counts_and_both_families(tmp_path, target, trained, held_out, capsys):
+    rows = run(EvalParams(batch_size=2), trained[:1], Paths(tmp_path), Log(), target=TargetParams(),
+               source=held_out, loaded_target=target)
+    r = rows[0]
+    per = r["per_conversation"]
+    assert len(per["ids"]) == len(held_out) == len(per["valid"])
+    for f in ("valid", "correct", "chain", "chain_correct"):
+        assert [sum(c[k] for c in per[f]) for k in range(7)] == r["counts"][f]
+    assert r["step_mat"] == pytest.approx(mat(r["acc"])) and r["chain_mat"] == pytest.approx(mat(r["alpha"]))
+    assert r["chains"] == r["counts"]["chain"] and 0 <= r["agreement"] <= 1
+    assert r["acc_6_se"] >= 0 and "alpha_6_se" in r
+    out = capsys.readouterr().out
+    assert "acc_6" in out and "(se" in out

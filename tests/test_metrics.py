@@ -79,3 +79,20 @@ def test_edge_cases():
     assert s["mat"] == 3.0 and s["retention"] == 1.0 and s["alpha"] == [1.0, 1.0]
     with pytest.raises(ValueError, match="differ"):
         step_counts(_t([[1]]), _t([[1, 1]]))
+
+
+def test_chain_stops_where_the_data_leaves_the_targets_greedy_path():
+    """A chain goes past step j only if the drafter was right *and* the data token fed to step j+1 is the target's
+    top-1 there; step accuracy ignores agreement."""
+    correct = _t([[1, 1, 1], [1, 1, 1], [1, 1, 0]])
+    valid = torch.ones_like(correct)
+    agree = _t([[1, 0, 1], [1, 1, 1], [1, 1, 1]])    # position 1's data leaves the greedy path after step 0
+    c = step_counts(correct, valid, agree)
+    assert c.acc == [1.0, 1.0, 2 / 3]
+    assert c.chain == [3, 2, 2] and c.chain_correct == [3, 2, 1]
+    assert c.agree == [2, 3, 3] and c.agreement == pytest.approx(2 / 3)
+    assert step_counts(correct, valid).chain == [3, 3, 3]       # without agree: the data is the greedy path
+    s = summary(c)
+    assert s["step_mat"] == pytest.approx(mat(c.acc)) and s["chain_mat"] == pytest.approx(mat(c.alpha))
+    assert s["step_retention"] == pytest.approx(2 / 3) and s["chains"] == [3, 2, 2]
+    assert StepCounts.from_dict(c.to_dict()) == c

@@ -1,56 +1,56 @@
-"""The report stage on synthetic metrics (tests/fixtures/report): tables, figures, verdicts both ways, determinism."""
+"""The report stage on synthetic metrics (tests/fixtures/report/make_fixtures.py): tables with intervals, the
+paper's numbers, verdicts decided by intervals (holds, fails, inconclusive), old metrics without counts,
+determinism."""
+import copy
 import json
 import re
-import shutil
+import sys
 from pathlib import Path
 
 import pytest
 
 from stages.common import Paths, StageError
-from stages.report import (FAILS, HOLDS, MISSING, NOISE, ReportParams, Stat, collect, compare, e2e_baselines,
-                           findings, mat_of, run)
+from stages.findings import FAILS, HOLDS, INCONCLUSIVE, MISSING, findings
+from stages.report import ReportParams, e2e_baselines, run
+from stages.results import collect, scale_order
 
-FIXTURES = Path(__file__).parent / "fixtures" / "report" / "metrics"
+sys.path.insert(0, str(Path(__file__).parent / "fixtures" / "report"))
+import make_fixtures as fx  # noqa: E402
+
 STUDIES = ["injection", "depth", "hybrid", "scale"]
 CONTEXT = {"profile": "default", "target": "embedded", "data_sizes": {"small": 300, "large": 1200},
            "git_commit": "0123abc", "date": "2026-05-01T10:00:00", "hardware": "2 CPU cores",
-           "wall_time_s": 754.0, "stage_times_s": {"train": 700.0, "prepare": 54.0}, "studies": STUDIES}
+           "wall_time_s": 754.0, "stage_times_s": {"sweep:depth": 600.0, "prepare": 54.0}, "studies": STUDIES}
 PNG = b"\x89PNG\r\n\x1a\n"
+FAST = ReportParams(bootstrap_draws=400)
 
 
-def project(tmp_path: Path, drop: tuple[str, ...] = (), edit=None) -> Paths:
-    """A project root with the fixture metrics; `edit(study, rows)` may rewrite a study's rows ('e2e' too)."""
-    shutil.copytree(FIXTURES, tmp_path / "metrics")
-    for name in drop:
-        p = tmp_path / "metrics" / ("e2e.json" if name == "e2e" else f"stepwise/{name}.json")
-        p.unlink()
+def project(tmp_path: Path, curves: dict | None = None, e2e: list | None = None, drop: tuple[str, ...] = (),
+            edit=None) -> Paths:
+    """A project root with synthetic metrics; `edit(study, rows)` may rewrite a study's rows ('e2e' too)."""
+    rows = fx.studies(curves)
+    e2e_rows = fx.e2e_rows(e2e)
     if edit:
-        for p in [*(tmp_path / "metrics" / "stepwise").glob("*.json"), tmp_path / "metrics" / "e2e.json"]:
-            if p.is_file():
-                name = "e2e" if p.name == "e2e.json" else p.stem
-                rows = json.loads(p.read_text())
-                p.write_text(json.dumps(edit(name, rows) or rows))
+        for name in list(rows):
+            rows[name] = edit(name, rows[name]) or rows[name]
+        e2e_rows = edit("e2e", e2e_rows) or e2e_rows
+    rows = {k: v for k, v in rows.items() if k not in drop}
+    fx.write(tmp_path / "metrics", rows, None if "e2e" in drop else e2e_rows)
     return Paths(tmp_path)
 
 
-def verdicts(paths: Paths, **params) -> dict[str, str]:
-    res = collect(CONTEXT, paths)
-    return {v.claim: v.verdict for v in findings(res.studies, res.e2e, res.scale_order, ReportParams(**params))}
+def bent(**changes) -> dict:
+    """CURVES with some settings' (acc_0, acc_6) replaced: changes[study] = {trial stem: (a0, a6)}."""
+    curves = copy.deepcopy(fx.CURVES)
+    for study, by_stem in changes.items():
+        curves[study] = [(stem, f, *by_stem.get(stem, (a0, a6)), seeds) for stem, f, a0, a6, seeds in curves[study]]
+    return curves
 
 
-def reshape(row: dict, fn) -> dict:
-    """Rewrite a row's alpha with fn(k, a) and keep its MAT and retention consistent."""
-    row["alpha"] = [round(min(1.0, max(0.0, fn(k, a))), 4) for k, a in enumerate(row["alpha"])]
-    row["mat"] = mat_of(row["alpha"])
-    row["retention"] = row["alpha"][6] / row["alpha"][0]
-    return row
-
-
-def where(rows, fn, **match):
-    for r in rows:
-        if all(r.get(k) == v for k, v in match.items()):
-            reshape(r, fn)
-    return rows
+def verdicts(paths: Paths) -> dict[str, str]:
+    res = collect(CONTEXT, paths, draws=400)
+    order = scale_order(CONTEXT, [r for rows in res.raw.values() for r in rows or []])
+    return {v.claim: v.verdict for v in findings(res.studies, res.e2e, order)}
 
 
 @pytest.fixture(scope="module")
@@ -61,7 +61,7 @@ def full(tmp_path_factory):
     stale.parent.mkdir(parents=True)
     stale.write_bytes(PNG)
     seen = []
-    run(ReportParams(), {**CONTEXT, "studies": STUDIES + ["control"]}, paths, lambda m, step=None: seen.append(m))
+    run(FAST, {**CONTEXT, "studies": STUDIES + ["control"]}, paths, lambda m, step=None: seen.append(m))
     return paths, (paths.reports / "README.md").read_text(), seen
 
 
@@ -80,34 +80,49 @@ def table_row(text: str, *cells: str) -> list[str]:
     raise AssertionError(f"no row starting {cells}")
 
 
-def test_tables_in_the_papers_shape_with_paper_numbers(full):
+def header(text: str, first: str) -> list[str]:
+    return table_row(text, first)
+
+
+CI = r"\d\.\d{3} \[\d\.\d{3}, \d\.\d{3}\]"
+
+
+def test_step_and_chain_tables_with_intervals_and_the_papers_numbers(full):
     _, text, _ = full
     inj = section(text, "Injection study")
-    assert "| method | RoPE fix | seeds | α_0 | α_6 | MAT | α_0 paper (Qwen3-8B) |" in inj
-    assert table_row(inj, "KV-only, linear", "yes")[-3:] == ["0.494", "0.353", "1.84"]
-    assert table_row(inj, "KV-only, head concat", "yes")[2:6] == ["0 (1 failed)", "failed", "failed", "failed"]
-    assert "no target information (control): retention 99.6%, MAT 1.31" in inj
+    head = header(inj, "method")
+    assert head[:7] == ["method", "RoPE fix", "seeds", "acc_0", "acc_6", "step retention", "step MAT"]
+    assert "α_0 paper (Qwen3-8B)" in head and "Δ step MAT vs baseline" in head
+    row = table_row(inj, "KV-only, linear", "yes")
+    assert re.fullmatch(CI, row[3]) and row[-4:] == ["0.494", "0.353", "–", "1.84"]
+    assert table_row(inj, "KV-only, head concat", "yes")[2:5] == ["0 (1 failed)", "failed", "failed"]
+    ctrl = table_row(inj, "no target information (control)", "–")
+    assert ctrl[-2:] == ["99.6%", "1.31"]                 # the paper's control row sits beside ours
+    assert "Chain acceptance (what tree decoding sees)" in inj
+    chain = table_row(inj.split("Chain acceptance")[1], "EAGLE-3 (hidden-only)")
+    assert re.fullmatch(CI, chain[2]) and chain[-1] == "100.0%"
 
     depth = section(text, "Depth study")
     row = table_row(depth, "KV-only", "2")
-    assert row[2] == "3"                                            # three seeds aggregated
-    rows = [r for r in json.loads((FIXTURES / "stepwise/depth.json").read_text()) if r["depth"] == 2
-            and r["variant"] == "kv_only"]
-    expected = Stat.of(r["mat"] for r in rows)
-    assert row[7] == f"{expected.mean:.3f} ± {expected.std:.3f}"
+    assert row[2] == "3"                                  # three seeds pooled
+    assert all(re.fullmatch(CI, c) for c in row[3:6])
     assert row[-5:] == ["0.594", "0.497", "0.463", "77.9%", "2.23"]
-    assert table_row(depth, "EAGLE-3 (hidden-only)", "1")[-1] == "2.37"
+    assert row[header(depth, "drafter").index("Δ step MAT vs baseline")].startswith("EAGLE-3 (hidden-only): -")
 
     hyb = section(text, "Hybrid study")
-    assert table_row(hyb, "hybrid", "EAGLE-3 checkpoint")[-1] == "2.54"
-    assert table_row(hyb, "cross-only", "random")[-4] == "–"          # the paper gives no α_3 there
+    ckpt = table_row(hyb, "hybrid", "EAGLE-3 checkpoint")
+    assert ckpt[-1] == "2.54"
+    vs = header(hyb, "variant").index("Δ step MAT vs baseline")
+    assert ckpt[vs].startswith("EAGLE-3 (hidden-only) continued: +")          # compute-matched baseline
+    assert table_row(hyb, "hybrid", "random")[vs].startswith("EAGLE-3 (hidden-only): ")
+    assert table_row(hyb, "EAGLE-3 (hidden-only) continued", "–")[vs].startswith("EAGLE-3 (hidden-only): ")
 
     scale = section(text, "Scale study")
-    row = table_row(scale, "EAGLE-3 (hidden-only)", "large (1200)")
-    assert row[4:9] == ["2.600", "4.76", "(4, 2, 8)", "2.300", "1.310"]
-    assert row[-1] == "yes"
-    assert table_row(scale, "prompt lookup")[7:9] == ["1.420", "1.230"]
-    assert "EAGLE-3 trained from checkpoint: τ (8, 10, 60) 5.01" in scale
+    row = table_row(scale, "EAGLE-3 (hidden-only) continued", "large (1200)")
+    assert row[header(scale, "drafter").index("τ (8, 10, 60) paper (Qwen3-8B)")] == "5.01"
+    assert re.fullmatch(r"2\.\d\d \[2\.\d\d, 2\.\d\d\]", row[5])
+    assert table_row(scale, "hybrid, ckpt init", "large (1200)")[-1] == "yes"
+    assert table_row(scale, "prompt lookup")[8].startswith("1.42")
 
 
 def test_figures_referenced_exist_and_stale_ones_go(full):
@@ -128,87 +143,58 @@ def test_failed_missing_and_provenance(full):
                                                                              "RuntimeError: CUDA out of memory"]
     assert "**missing**: no `metrics/stepwise/control.json`" in section(text, "Study: control")
     prov = section(text, "Provenance")
-    for cell in ("0123abc", "2 CPU cores", "754 s (12.6 min)", "prepare 54 s, train 700 s", "small: 300, large: 1200",
-                 "arXiv 2604.26412"):
+    for cell in ("0123abc", "2 CPU cores", "754 s (12.6 min)", "prepare 54 s, sweep:depth 600 s",
+                 "small: 300, large: 1200", "arXiv 2604.26412", "95% percentile bootstrap, 400 draws"):
         assert cell in prov
-    assert re.search(r"input `metrics/e2e.json` \| sha256 [0-9a-f]{12}", prov)
-    assert seen == [{"report/settings": 19.0, "report/failed_trials": 1.0, "report/claims_holding": 5.0}]
+    assert re.search(r"input `metrics/e2e.json`\s*\| sha256 [0-9a-f]{12}", prov)
+    assert table_row(prov, "depth")[1:] == ["15", "0123abc", "10.0 min (sweep)"]
+    assert table_row(prov, "hybrid")[3] == "12.0 min (sum of trials)"
+    assert seen == [{"report/settings": 23.0, "report/failed_trials": 1.0, "report/claims_holding": 5.0}]
 
 
 def test_every_claim_holds_on_the_paper_like_fixture(full):
     _, text, _ = full
     findings_md = section(text, "Findings")
     for claim in ("P1", "P2", "P3", "H", "E"):
-        assert table_row(findings_md, claim)[2] == f"**{HOLDS}**"
+        assert table_row(findings_md, claim)[2] == f"**{HOLDS}**", table_row(findings_md, claim)
+    assert "[+" in table_row(findings_md, "H")[3]        # the difference's interval is in the evidence
 
 
-# Each claim bent the other way: (claim, edit of the fixture rows, expected verdict).
-def _p1_fails(name, rows):
-    if name == "depth":      # KV-only alphas decay fast: retention below EAGLE-3's
-        where(rows, lambda k, a: a * 0.9 ** k, variant="kv_only")
-
-
-def _p2_fails(name, rows):
-    if name == "depth":      # the 3 -> 4 jump dwarfs 1 -> 2 (alpha_0 kept below EAGLE-3's)
-        where(rows, lambda k, a: a + 0.2 if k else a, variant="kv_only", depth=4)
-
-
-def _p2_depth(step):
-    def edit(name, rows):
-        if name == "depth":  # every depth is depth 1 of the same seed, plus `step` per extra layer
-            base = {r["seed"]: r["alpha"] for r in rows if r["variant"] == "kv_only" and r["depth"] == 1}
-            for r in rows:
-                if r["variant"] == "kv_only":
-                    reshape(r, lambda k, a, r=r: base[r["seed"]][k] + step * (r["depth"] - 1))
-    return edit
-
-
-def _p3_fails(name, rows):
-    if name == "depth":
-        where(rows, lambda k, a: a * 0.9, variant="eagle3")   # same retention, lower alpha_0
-
-
-def _p3_noise(name, rows):
-    if name == "depth":      # EAGLE-3 alpha_0 a hair above KV-only's best, far inside its seed spread
-        where(rows, lambda k, a: 0.616 if k == 0 else a, variant="eagle3")
-
-
-def _h_fails(name, rows):
-    if name == "hybrid":
-        where(rows, lambda k, a: a - 0.1, variant="hybrid")
-
-
-def _h_noise(name, rows):
-    if name == "hybrid":     # hybrid = EAGLE-3 of the same seed + 0.001: a gain well inside the seed spread
-        eagle = {r["seed"]: r["alpha"] for r in rows if r["variant"] == "eagle3"}
-        for r in rows:
-            if r["variant"] == "hybrid":
-                reshape(r, lambda k, a, r=r: eagle[1 - r["seed"]][k] + 0.001)
-
-
-def _e_fails(name, rows):
-    if name == "e2e":        # the end-to-end tau gain as large as the step-wise one
-        for r in rows:
-            if r["variant"] == "hybrid" and r.get("tree_kind") == "paper":
-                r["tau"] += 0.5
-
-
-def _e_no_stepwise_gain(name, rows):
-    if name == "scale":
-        where(rows, lambda k, a: a - 0.05, variant="hybrid")
-
-
-@pytest.mark.parametrize("claim,edit,expected", [
-    ("P1", _p1_fails, FAILS), ("P2", _p2_fails, FAILS), ("P2", _p2_depth(-0.02), FAILS),
-    ("P2", _p2_depth(0.0005), NOISE), ("P3", _p3_fails, FAILS), ("P3", _p3_noise, NOISE), ("H", _h_fails, FAILS),
-    ("H", _h_noise, NOISE), ("E", _e_fails, FAILS), ("E", _e_no_stepwise_gain, FAILS)])
-def test_verdict_flips_when_the_numbers_do(tmp_path, claim, edit, expected):
-    got = verdicts(project(tmp_path, edit=edit))
+@pytest.mark.parametrize("claim,curves,expected", [
+    # KV-only decays fast: its retention below EAGLE-3's
+    ("P1", bent(depth={f"kv_only-d{d}": (0.6, 0.3) for d in (1, 2, 3, 4)}), FAILS),
+    # the deepest KV-only no better than the no-target control at step 0 (it does not use the target)
+    ("P1", bent(injection={"kv_only-no_target": (0.70, 0.69)}), FAILS),
+    # deepest KV-only and EAGLE-3 alike: inconclusive, not a win
+    ("P1", bent(depth={"kv_only-d4": (0.638, 0.470)}), INCONCLUSIVE),
+    # the 3 -> 4 jump dwarfs 1 -> 2
+    ("P2", bent(depth={"kv_only-d4": (0.75, 0.70)}), FAILS),
+    # depth changes nothing
+    ("P2", bent(depth={f"kv_only-d{d}": (0.494, 0.353) for d in (2, 3, 4)}), INCONCLUSIVE),
+    ("P3", bent(depth={"eagle3": (0.55, 0.40)}), FAILS),
+    ("P3", bent(depth={"eagle3": (0.615, 0.469)}), INCONCLUSIVE),
+    # the hybrid's gain was the extra training: EAGLE-3 continued is as good
+    ("H", bent(hybrid={"eagle3-continued": (0.665, 0.514)}), INCONCLUSIVE),
+    ("H", bent(hybrid={"hybrid-ckpt": (0.60, 0.44)}), FAILS),
+    # no step-wise gain at the decoded scale: nothing to shrink
+    ("E", bent(scale={"hybrid-large": (0.642 + 0.03, 0.474 + 0.03)}), INCONCLUSIVE),
+])
+def test_verdicts_follow_the_intervals(tmp_path, claim, curves, expected):
+    got = verdicts(project(tmp_path, curves=curves))
     assert got[claim] == expected
-    # The edit touches only its own claim (P1 and P2 read the same KV-only depth curves).
-    coupled = {"P1": {"P1", "P2"}, "P2": {"P1", "P2"}}.get(claim, {claim})
-    others = {c: v for c, v in got.items() if c not in coupled}
-    assert set(others.values()) == {HOLDS}, others
+
+
+def test_e_fails_when_the_end_to_end_gain_is_as_large(tmp_path):
+    e2e = [(t, tree, kind, tau + (0.6 if t.startswith("hybrid") and kind == "paper" else 0.0), s, sh)
+           for t, tree, kind, tau, s, sh in fx.E2E]
+    assert verdicts(project(tmp_path, e2e=e2e))["E"] == FAILS
+
+
+def test_h_is_not_measured_without_the_compute_matched_baseline(tmp_path):
+    def drop_continued(name, rows):
+        return [r for r in rows if r.get("init") != "continued"] if name == "hybrid" else rows
+    got = verdicts(project(tmp_path, edit=drop_continued))
+    assert got["H"] == MISSING
 
 
 def test_missing_studies_are_not_measured(tmp_path):
@@ -216,47 +202,44 @@ def test_missing_studies_are_not_measured(tmp_path):
     assert got == {c: MISSING for c in ("P1", "P2", "P3", "H", "E")}
 
 
-def test_one_seed_falls_back_to_injection_and_says_spread_unknown(tmp_path):
-    res = collect(CONTEXT, project(tmp_path, drop=("depth",)))
-    v = {x.claim: x for x in findings(res.studies, res.e2e, res.scale_order, ReportParams())}
-    assert v["P1"].verdict == FAILS          # 1-layer KV-only keeps less than EAGLE-3 (as in the paper)
-    assert v["P3"].verdict == HOLDS
-    assert "injection study" in v["P1"].evidence and "spread unknown" in v["P1"].evidence
-    assert v["P2"].verdict == MISSING
-
-
 def test_deterministic_apart_from_the_date(tmp_path):
     texts, figs = [], []
     for i, date in enumerate(("2026-05-01", "2026-06-02")):
         paths = project(tmp_path / str(i))
-        run(ReportParams(), {**CONTEXT, "date": date}, paths, lambda m, step=None: None)
+        run(FAST, {**CONTEXT, "date": date}, paths, lambda m, step=None: None)
         texts.append((paths.reports / "README.md").read_text().splitlines())
         figs.append({p.name: p.read_bytes() for p in sorted((paths.reports / "figures").iterdir())})
     assert figs[0] == figs[1]
     assert len(texts[0]) == len(texts[1])
-    assert [(a, b) for a, b in zip(*texts) if a != b] == [("| date | 2026-05-01 |", "| date | 2026-06-02 |")]
+    assert [(a, b) for a, b in zip(*texts) if a != b] == [("| date                | 2026-05-01 |",
+                                                           "| date                | 2026-06-02 |")] or \
+        all("2026-05-01" in a and "2026-06-02" in b for a, b in zip(*texts) if a != b)
 
 
-def test_rows_with_only_the_required_keys(tmp_path):
+def test_old_metrics_without_counts_render_with_intervals_missing(tmp_path):
+    """A metrics file from before per-conversation counts: point values, `[–]` intervals, nothing decided."""
     (tmp_path / "metrics" / "stepwise").mkdir(parents=True)
-    rows = [{"trial": "a", "variant": "kv_only", "depth": d, "alpha": [0.5 + 0.1 * d] * 7} for d in (1, 2)]
+    rows = [{"trial": f"kv_only-d{d}", "variant": "kv_only", "depth": d, "alpha": [0.5 + 0.1 * d] * 7,
+             "acc": [0.5 + 0.1 * d] * 7, "mat": 3.0, "retention": 1.0} for d in (1, 2)]
+    rows.append({"trial": "eagle3", "variant": "eagle3", "depth": 1, "alpha": [0.6, 0.5, 0.4, 0.3, 0.2, 0.2, 0.1]})
     (tmp_path / "metrics" / "stepwise" / "depth.json").write_text(json.dumps(rows))
     paths = Paths(tmp_path)
-    run(ReportParams(), {"studies": ["depth"]}, paths, lambda m, step=None: None)
+    run(FAST, {"studies": ["depth"]}, paths, lambda m, step=None: None)
     text = (paths.reports / "README.md").read_text()
-    assert table_row(section(text, "Depth study"), "KV-only", "2")[7] == f"{mat_of([0.7] * 7):.3f}"
-    assert "| profile | unknown |" in text and "| git commit | unknown |" in text
-    assert "no metrics/e2e.json" in text
+    row = table_row(section(text, "Depth study"), "KV-only", "2")
+    assert row[3] == "0.700 [–]"
+    assert table_row(section(text, "Findings"), "P2")[2] == f"**{INCONCLUSIVE}**"
+    assert "| profile" in text and "unknown" in text and "no metrics/e2e.json" in text
 
 
 def test_malformed_metrics_name_the_file(tmp_path):
     (tmp_path / "metrics" / "stepwise").mkdir(parents=True)
     (tmp_path / "metrics" / "stepwise" / "depth.json").write_text('[{"trial": "a", ')
     with pytest.raises(StageError, match=r"depth\.json: not valid JSON"):
-        run(ReportParams(), {"studies": ["depth"]}, Paths(tmp_path), lambda m, step=None: None)
+        run(FAST, {"studies": ["depth"]}, Paths(tmp_path), lambda m, step=None: None)
     (tmp_path / "metrics" / "stepwise" / "depth.json").write_text('{"trial": "a"}')
     with pytest.raises(StageError, match=r"depth\.json: expected a JSON list"):
-        run(ReportParams(), {"studies": ["depth"]}, Paths(tmp_path), lambda m, step=None: None)
+        run(FAST, {"studies": ["depth"]}, Paths(tmp_path), lambda m, step=None: None)
 
 
 def test_e2e_baselines_say_when_drafters_ran_in_int8():
@@ -268,47 +251,29 @@ def test_e2e_baselines_say_when_drafters_ran_in_int8():
     assert e2e_baselines([row | {"drafter_weights": "int8"}]).endswith("(e2e.drafter_weights=int8).")
 
 
-def test_compare_and_stats():
-    one, two = Stat(0.6, None, 1), Stat(0.5, None, 1)
-    assert compare(one, two, 2.0) == (HOLDS, "one seed: spread unknown")
-    assert compare(two, one, 2.0)[0] == FAILS
-    assert compare(Stat(0.60, 0.05, 3), Stat(0.55, 0.01, 3), 2.0)[0] == NOISE
-    assert compare(Stat(0.60, 0.01, 3), Stat(0.55, 0.01, 3), 2.0)[0] == HOLDS
-    assert compare(None, two, 2.0)[0] == MISSING
-    s = Stat.of([1.0, 2.0, 3.0])
-    assert (s.mean, s.std, s.n) == (2.0, 1.0, 3)
-    assert Stat.of([None]) is None
-    assert mat_of([0.5, 0.5]) == pytest.approx(1.75)
-
-
-def test_extra_swept_values_split_settings_and_null_alphas_count_as_zero(tmp_path):
-    (tmp_path / "metrics" / "stepwise").mkdir(parents=True)
-    rows = [{"trial": f"lr{lr}-s{seed}", "variant": "kv_only", "depth": 1, "seed": seed, "status": "ok",
-             "values": {"drafter.variant": "kv_only", "train.lr": lr, "train.seed": seed},
-             "alpha": [0.5 + lr * 100, 0.4, 0.3, None, 0.2, 0.2, 0.2], "mat": None, "retention": None}
-            for lr in (0.001, 0.002) for seed in (0, 1)]
-    (tmp_path / "metrics" / "stepwise" / "lr.json").write_text(json.dumps(rows))
-    res = collect({"studies": ["lr"]}, Paths(tmp_path))
-    settings = res.studies["lr"]
-    assert [(s.extra, s.n) for s in settings] == [({"train.lr": 0.001}, 2), ({"train.lr": 0.002}, 2)]
-    assert settings[0].mat.mean == pytest.approx(mat_of([0.6, 0.4, 0.3, 0.0, 0.2, 0.2, 0.2]))
-    assert settings[0].a(3) is None and settings[0].retention.mean == pytest.approx(0.2 / 0.6)
-    run(ReportParams(), {"studies": ["lr"]}, Paths(tmp_path), lambda m, step=None: None)
+def test_extra_swept_values_split_settings(tmp_path):
+    rows = []
+    for lr in (0.001, 0.002):
+        for seed in (0, 1):
+            r = fx.row("lr", f"lr{lr}", dict(variant="kv_only"), 0.5 + lr * 50, 0.3, seed, 2)
+            r["values"] = {"drafter.variant": "kv_only", "train.lr": lr, "train.seed": seed}
+            rows.append(r)
+    fx.write(tmp_path / "metrics", {"lr": rows}, None)
+    res = collect({"studies": ["lr"]}, Paths(tmp_path), draws=200)
+    assert [(s.extra, s.n) for s in res.studies["lr"]] == [({"train.lr": 0.001}, 2), ({"train.lr": 0.002}, 2)]
+    run(FAST, {"studies": ["lr"]}, Paths(tmp_path), lambda m, step=None: None)
     text = (tmp_path / "reports" / "README.md").read_text()
-    assert table_row(section(text, "Study: lr"), "KV-only, 1 layer, train.lr=0.002")[1] == "2"
+    assert table_row(section(text, "Study: lr"), "KV-only, 1 layer, linear, train.lr=0.002")[1] == "2"
 
 
 def test_alpha_on_few_chains_shows_its_count(tmp_path):
-    (tmp_path / "metrics" / "stepwise").mkdir(parents=True)
-    counts = {"valid": [900] * 7, "chain": [900, 400, 120, 20, 6, 1, 0]}
-    rows = [{"trial": f"s{seed}", "variant": "kv_only", "depth": 1, "seed": seed, "alpha": [0.4, 0.3, 0.25, 0.2, 0.17, 1.0, None],
-             "counts": counts} for seed in (0, 1)]
-    (tmp_path / "metrics" / "stepwise" / "depth.json").write_text(json.dumps(rows))
-    paths = Paths(tmp_path)
-    run(ReportParams(), {"studies": ["depth"]}, paths, lambda m, step=None: None)
-    text = section((paths.reports / "README.md").read_text(), "Depth study")
-    row = table_row(text, "KV-only", "1")
+    rows = fx.studies()["injection"]
+    r = next(x for x in rows if x["trial"] == "eagle3")
+    r["per_conversation"] = {k: v[:3] for k, v in r["per_conversation"].items()}   # a tiny eval set
+    fx.write(tmp_path / "metrics", {"injection": [r]}, None)
+    run(FAST, {"studies": ["injection"]}, Paths(tmp_path), lambda m, step=None: None)
+    text = section((tmp_path / "reports" / "README.md").read_text(), "Injection study")
     assert "(n=…): α_k is measured on the chains still alive" in text
-    assert row[3] == "0.400 ± 0.000"                 # α_0 on 1,800 chains: no count
-    assert row[4] == "0.200 ± 0.000 (n=40)"          # α_3 on 2 x 20 chains
-    assert row[5] == "–"                             # α_6: no chain reached step 6
+    chain = text.split("Chain acceptance")[1]
+    assert re.search(r"\(n=\d+\)", table_row(chain, "EAGLE-3 (hidden-only)")[3])
+    assert "(n=" not in table_row(chain, "EAGLE-3 (hidden-only)")[2]

@@ -52,7 +52,8 @@ def test_study_expansion_grid_plus_include():
     assert [t.name for t in depth] == ["kv_only-d1", "kv_only-d2", "kv_only-d3", "kv_only-d4", "eagle3"]
     inj = plan(cfg, study="injection")
     assert [t.name for t in inj] == ["kv_only-linear-norope", "kv_only-linear-ropefix", "kv_only-head_concat",
-                                     "eagle3"]
+                                     "kv_only-no_target", "eagle3"]
+    assert next(t for t in inj if t.name == "kv_only-no_target").config.drafter.no_target
     assert {t.study for t in inj} == {"injection"}
     # an axis on top of a study replaces its grid axis
     assert sorted(t.name for t in plan(cfg, parse_overrides(["depth=2,3"]), study="depth")) == \
@@ -67,7 +68,8 @@ def test_hybrid_ckpt_depends_on_eagle3_of_same_scale():
     assert by["hybrid-large"].depends_on == "eagle3-large"
     first, second = waves(trials)
     assert {t.name for t in first} == {"eagle3-small", "eagle3-large"}
-    assert {t.name for t in second} == {"hybrid-small", "hybrid-large"}
+    assert {t.name for t in second} == {"hybrid-small", "hybrid-large", "eagle3-small-continued",
+                                        "eagle3-large-continued"}
     # parents already finished (cached or adopted from another study) need no wave of their own
     children = [t for t in trials if t.variant == "hybrid"]
     assert [{t.name for t in w} for w in waves(children, finished={"eagle3-small", "eagle3-large"})] == [
@@ -77,8 +79,9 @@ def test_hybrid_ckpt_depends_on_eagle3_of_same_scale():
 def test_missing_parent_is_added_first_and_shared():
     trials = plan(smoke(), parse_overrides(["variant=hybrid,cross_only", "init=ckpt"]))
     names = [t.name for t in trials]
-    assert names[0] == "eagle3" and len(trials) == 3
+    assert names[0] == "eagle3" and len(trials) == 4
     assert {t.depends_on for t in trials[1:]} == {"eagle3"}
+    assert names[-1] == "eagle3-continued" and trials[-1].config.drafter.init == "continued"
     parent = trials[0].config
     assert parent.drafter.variant == "eagle3" and parent.train == trials[1].config.train
     # random init needs no parent
@@ -89,8 +92,35 @@ def test_seeds_make_one_parent_per_seed():
     cfg = with_values(smoke(), {"studies": {"h": {"grid": {"drafter.variant": ["hybrid"]}, "seeds": [0, 1]}}})
     trials = plan(cfg, study="h")
     by = {t.name: t for t in trials}
-    assert set(by) == {"hybrid-s0", "hybrid-s1", "eagle3-s0", "eagle3-s1"}
+    assert set(by) == {"hybrid-s0", "hybrid-s1", "eagle3-s0", "eagle3-s1", "eagle3-s0-continued",
+                       "eagle3-s1-continued"}
     assert by["hybrid-s1"].depends_on == "eagle3-s1" and by["eagle3-s1"].config.train.seed == 1
+    assert by["eagle3-s1-continued"].depends_on == "eagle3-s1"
+
+
+def test_continued_control_once_per_parent_and_shared_across_studies():
+    """Every ckpt child gets its compute-matched baseline: the parent eagle3 continued for the same schedule, added
+    once per parent (hybrid and cross-only from one parent share it), with the same config in every study, so its
+    fingerprint is the same and it is trained once (adopted elsewhere)."""
+    from pipeline.fingerprint import config_hash
+
+    cfg = load_config("default")
+    hyb = plan(cfg, study="hybrid")
+    cont = [t for t in hyb if t.config.drafter.init == "continued"]
+    assert [t.name for t in cont] == ["eagle3-continued"] and cont[0].depends_on == "eagle3"
+    assert cont[0].config.train == next(t for t in hyb if t.name == "hybrid-ckpt").config.train
+    scale = {t.name: t for t in plan(cfg, study="scale")}
+    small = scale["eagle3-small-continued"]
+    assert config_hash(small.config) == config_hash(cont[0].config)
+    assert config_hash(scale["eagle3-small"].config) == config_hash(next(t for t in hyb if t.name == "eagle3").config)
+    parent_fp = "f" * 64
+    assert fingerprint(small.config, {}, parent_fp) == fingerprint(cont[0].config, {}, parent_fp)
+    # random-init children need no control; a control asked for directly gets its parent
+    assert not any(t.config.drafter.init == "continued"
+                   for t in plan(smoke(), parse_overrides(["variant=hybrid", "init=random"])))
+    direct = plan(smoke(), parse_overrides(["variant=eagle3", "init=continued"]))
+    assert [(t.name, t.depends_on) for t in direct] == [("eagle3", None), ("eagle3-continued", "eagle3")]
+    assert direct[0].config.drafter.init == "ckpt"
 
 
 def test_bad_plans_are_one_line_errors():
@@ -107,7 +137,7 @@ def test_dry_run_table_lists_resolved_trials(tmp_path):
     trials = plan(load_config("default"), study="hybrid")
     show_plan(trials, console=console, paths=Paths(tmp_path))
     text = console.export_text()
-    for name in ("eagle3", "hybrid-ckpt", "cross_only-random", "to run", "sweep hybrid: 5 trials"):
+    for name in ("eagle3", "hybrid-ckpt", "cross_only-random", "to run", "sweep hybrid: 6 trials", "eagle3-continued"):
         assert name in text
     assert not (tmp_path / "runs").exists()   # a dry run runs nothing
 
@@ -348,8 +378,9 @@ def test_failing_trial_fails_alone_and_blocks_its_children(ray_local, project):
     assert by["hybrid-lr0.0123"].depends_on == "eagle3-lr0.0123"
     result = run_sweep(trials, project, trial_fn=quick_trial)
     assert result.exit_code == 1
-    assert sorted(result.failed_names) == ["eagle3-lr0.0123", "hybrid-lr0.0123"]
-    assert sorted(result.ran) == ["eagle3-lr0.001", "eagle3-lr0.0123", "hybrid-lr0.001"]
+    assert sorted(result.failed_names) == ["eagle3-lr0.0123", "eagle3-lr0.0123-continued", "hybrid-lr0.0123"]
+    assert sorted(result.ran) == ["eagle3-lr0.001", "eagle3-lr0.001-continued", "eagle3-lr0.0123",
+                                  "hybrid-lr0.001"]
     rows = {r["trial"]: r for r in json.loads(project.stepwise_metrics("adhoc").read_text())}
     assert rows["eagle3-lr0.001"]["status"] == "ok" and rows["hybrid-lr0.001"]["status"] == "ok"
     assert rows["eagle3-lr0.0123"]["status"] == "failed"

@@ -244,6 +244,22 @@ def test_continue_from_starts_at_the_trained_weights(tmp_path, target, source):
         train(tmp_path / "none", target, source, max_steps=1, continue_from="missing")
 
 
+def test_continued_eagle3_starts_from_every_tensor_of_its_parent(tmp_path, target, source):
+    """init=continued (the compute-matched control of a ckpt child) is the parent continued for a full schedule."""
+    parent = tmp_path / "eagle3"
+    train(parent, target, source, max_steps=2)
+    _, first = ckpt.load_run(parent)
+    control = DrafterParams(variant="eagle3", init="continued", draft_vocab_size=48)
+    summary, _ = train(tmp_path / "continued", target, source, control, max_steps=2, init_from=parent)
+    assert summary["finished"] and summary["loaded"] == len(first) and summary["continued_from"] == str(parent)
+    _, more = ckpt.load_run(tmp_path / "continued")
+    assert torch.equal(more["d2t"], first["d2t"]) and not torch.equal(more["fc.weight"], first["fc.weight"])
+    with pytest.raises(StageError, match="continues a trained eagle3") as e:
+        train(tmp_path / "bad", target, source, DrafterParams(variant="hybrid", init="continued",
+                                                                 draft_vocab_size=48), max_steps=1)
+    assert "\n" not in str(e.value)
+
+
 def test_bad_inputs_are_one_line_stage_errors(tmp_path, target, source):
     child = DrafterParams(variant="hybrid", init="ckpt", draft_vocab_size=48)
     with pytest.raises(StageError, match="init_from") as e:

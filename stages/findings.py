@@ -1,0 +1,338 @@
+"""The paper's claims decided from our numbers, by intervals (DESIGN §4).
+
+Every claim is a difference of two settings' metrics (or a conjunction of such differences). A difference holds
+when its 95% bootstrap interval lies above 0, fails when it lies below, and is *inconclusive* otherwise: with the
+interval in the sentence. Differences between settings evaluated on the same conversations are paired (the
+same resampled conversations on both sides); seeds are resampled too where a setting has several
+(`stages.results`). A claim whose settings are missing is *not measured*.
+
+- P1: the deepest KV-only drafter keeps more of its accuracy than EAGLE-3 (step retention acc_6/acc_0) *and* is
+  more accurate at step 6 (acc_6) *and* uses the target (acc_0 above the no-target control's).
+- P2: KV-only step MAT grows with depth (deepest vs 1 layer) and the 1 -> 2 jump is the largest.
+- P3: EAGLE-3's acc_0 is above the best KV-only drafter's.
+- H: the EAGLE-3-initialised hybrid beats *EAGLE-3 continued for the same schedule* (the compute-matched
+  baseline, never the parent alone) on step MAT.
+- E: at the largest data scale decoded for both, the hybrid's relative τ gain over EAGLE-3 continued is smaller
+  than `much_smaller_ratio` x its relative step-MAT gain (there must be a clear step-wise gain to shrink).
+- B: the block-wise question (the paper's proposal): the best block drafter reading the target KV beats the one
+  reading projected hidden states, step-wise (step MAT) and end to end (τ).
+Step metrics are the paper-comparable family (its α_k); chain acceptance is shown beside them in the tables.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import numpy as np
+
+from models.stats import FAILS, HOLDS, INCONCLUSIVE, decide, interval
+from stages.results import E2EGroup, E2EKind, Setting, label
+
+MISSING = "not measured"
+CLAIMS = {
+    "P1": "KV-only decays more gracefully than hidden-only: the deepest KV-only drafter above EAGLE-3 on step "
+          "retention acc_6/acc_0 and on acc_6, and above the no-target control at step 0",
+    "P2": "KV-only improves with depth (step MAT), the largest jump from 1 to 2 layers",
+    "P3": "hidden-only is better at k = 0 (EAGLE-3's acc_0 above every KV-only drafter's)",
+    "H": "the hybrid (EAGLE-3 checkpoint init) beats EAGLE-3 continued for the same schedule on step MAT",
+    "E": "the hybrid's end-to-end τ gain over EAGLE-3 continued is much smaller than its step-wise MAT gain",
+    "B": "block-wise drafting lets the KV path pay off: the best KV-reading block drafter beats the hidden-state "
+         "block drafter (step MAT and τ)",
+}
+NAMES = {"acc_0": "acc_0", "acc_6": "acc_6", "step_mat": "step MAT", "step_retention": "step retention",
+         "chain_mat": "chain MAT", "tau": "τ"}
+
+
+@dataclass(frozen=True)
+class Verdict:
+    claim: str
+    statement: str
+    verdict: str
+    evidence: str
+
+
+def fmt(x: float, digits: int = 3) -> str:
+    return "–" if x is None or not math.isfinite(x) else f"{x:.{digits}f}"
+
+
+def fmt_ci(lo: float, hi: float, digits: int = 3, signed: bool = False) -> str:
+    if not (math.isfinite(lo) and math.isfinite(hi)):
+        return "[–]"
+    f = "+.{d}f" if signed else ".{d}f"
+    return f"[{lo:{f.format(d=digits)}}, {hi:{f.format(d=digits)}}]"
+
+
+def pct_ci(draws: np.ndarray | None, level: float) -> str:
+    """The interval of relative changes, in percent."""
+    lo, hi = interval(draws, level) if draws is not None else (math.nan, math.nan)
+    return f"[{lo:+.1%}, {hi:+.1%}]" if math.isfinite(lo) and math.isfinite(hi) else "[–]"
+
+
+@dataclass
+class Contrast:
+    """a − b on one metric: its point value, resampled values and verdict on "a − b > 0"."""
+
+    verdict: str
+    diff: float
+    ci: tuple[float, float]
+    text: str
+
+
+def contrast(a: Setting, b: Setting, metric: str, level: float = 0.95) -> Contrast:
+    da, db = a.resampled(metric), b.resampled(metric)
+    diff = a.value(metric) - b.value(metric)
+    if da is None or db is None:
+        verdict, ci = INCONCLUSIVE, (math.nan, math.nan)
+        note = "no interval: the rows lack per-conversation counts"
+    else:
+        verdict, ci = decide(da - db, level)
+        note = f"difference {fmt(diff)} {fmt_ci(*ci, signed=True)}"
+    name = NAMES.get(metric, metric)
+    text = (f"{name} {label(a)} {fmt(a.value(metric))} {fmt_ci(*a.ci(metric, level))} vs {label(b)} "
+            f"{fmt(b.value(metric))} {fmt_ci(*b.ci(metric, level))}: {note}")
+    return Contrast(verdict, diff, ci, text)
+
+
+def combine(*verdicts: str) -> str:
+    """A conjunction of sub-claims: any failure fails it; then missing data; then any doubt."""
+    if FAILS in verdicts:
+        return FAILS
+    if MISSING in verdicts:
+        return MISSING
+    return HOLDS if all(v == HOLDS for v in verdicts) else INCONCLUSIVE
+
+
+# -- picking settings ------------------------------------------------------------------------------------------
+
+def _ok(settings: list[Setting] | None) -> list[Setting]:
+    return [s for s in settings or [] if s.n > 0]
+
+
+def plain_eagle3(s: Setting) -> bool:
+    f = s.fields
+    return f.get("variant") == "eagle3" and f.get("init") != "continued" and not f.get("fc_norm") \
+        and not f.get("norm_output")
+
+
+def continued_eagle3(s: Setting) -> bool:
+    f = s.fields
+    return f.get("variant") == "eagle3" and f.get("init") == "continued" and not f.get("fc_norm") \
+        and not f.get("norm_output")
+
+
+def kv_reader(s: Setting) -> bool:
+    return s.fields.get("variant") == "kv_only" and not s.fields.get("no_target")
+
+
+def no_target(s: Setting) -> bool:
+    return s.fields.get("variant") == "kv_only" and bool(s.fields.get("no_target"))
+
+
+def _depth(s: Setting) -> int:
+    return int(s.fields.get("depth") or 1)
+
+
+def kv_and_eagle(studies: dict[str, list[Setting] | None]) -> tuple[str | None, list[Setting], Setting | None]:
+    """The study that compares KV-only with EAGLE-3: depth if it has both, else injection."""
+    for name in ("depth", "injection"):
+        ok = _ok(studies.get(name))
+        kv, eg = [s for s in ok if kv_reader(s)], [s for s in ok if plain_eagle3(s)]
+        if kv and eg:
+            return name, kv, eg[0]
+    return None, [], None
+
+
+def control(studies: dict[str, list[Setting] | None]) -> Setting | None:
+    for name in ("injection", *studies):
+        found = [s for s in _ok(studies.get(name)) if no_target(s)]
+        if found:
+            return found[0]
+    return None
+
+
+# -- the claims ------------------------------------------------------------------------------------------------
+
+def claim_p1(studies: dict, level: float) -> Verdict:
+    name, kv, eagle = kv_and_eagle(studies)
+    if eagle is None:
+        return Verdict("P1", CLAIMS["P1"], MISSING, "needs KV-only and EAGLE-3 trials in the depth or injection study")
+    deepest = max(kv, key=lambda s: (_depth(s), s.value("step_retention")))
+    ret = contrast(deepest, eagle, "step_retention", level)
+    acc6 = contrast(deepest, eagle, "acc_6", level)
+    ctrl = control(studies)
+    parts = [ret, acc6]
+    evidence = f"{name} study: {ret.text}; {acc6.text}"
+    if ctrl is None:
+        used = MISSING
+        evidence += "; no no-target control trial (kv_only with no_target) to show the KV path is used"
+    else:
+        uses = contrast(deepest, ctrl, "acc_0", level)
+        parts.append(uses)
+        used = uses.verdict
+        evidence += f"; {uses.text}"
+    return Verdict("P1", CLAIMS["P1"], combine(*[p.verdict for p in parts[:2]], used), evidence)
+
+
+def claim_p2(studies: dict, level: float) -> Verdict:
+    by_depth: dict[int, Setting] = {}
+    for s in _ok(studies.get("depth")):
+        if kv_reader(s):
+            by_depth.setdefault(_depth(s), s)
+    if 1 not in by_depth or 2 not in by_depth:
+        return Verdict("P2", CLAIMS["P2"], MISSING, "needs KV-only trials at depths 1 and 2 in the depth study")
+    depths = sorted(by_depth)
+    improve = contrast(by_depth[depths[-1]], by_depth[1], "step_mat", level)
+    curve = ", ".join(f"{d}: {fmt(by_depth[d].value('step_mat'))}" for d in depths)
+    verdicts, notes = [improve.verdict], [f"deepest vs 1 layer: {improve.verdict} (difference "
+                                          f"{fmt(improve.diff)} {fmt_ci(*improve.ci, signed=True)})"]
+
+    def jump(a: int, b: int) -> tuple[float, np.ndarray | None]:
+        sa, sb = by_depth[a], by_depth[b]
+        pa, pb = sa.resampled("step_mat"), sb.resampled("step_mat")
+        return sb.value("step_mat") - sa.value("step_mat"), (None if pa is None or pb is None else pb - pa)
+
+    first, first_draws = jump(1, 2)
+    for a, b in zip(depths[1:], depths[2:]):
+        later, later_draws = jump(a, b)
+        if first_draws is None or later_draws is None:
+            v, ci = INCONCLUSIVE, (math.nan, math.nan)
+        else:
+            v, ci = decide(first_draws - later_draws, level)
+        verdicts.append(v)
+        notes.append(f"jump 1→2 ({fmt(first, 3)}) minus {a}→{b} ({fmt(later, 3)}): {fmt(first - later)} "
+                     f"{fmt_ci(*ci, signed=True)}")
+    return Verdict("P2", CLAIMS["P2"], combine(*verdicts), f"step MAT by depth {curve}; " + "; ".join(notes))
+
+
+def claim_p3(studies: dict, level: float) -> Verdict:
+    name, kv, eagle = kv_and_eagle(studies)
+    if eagle is None:
+        return Verdict("P3", CLAIMS["P3"], MISSING, "needs KV-only and EAGLE-3 trials in the depth or injection study")
+    best = max(kv, key=lambda s: s.value("acc_0"))
+    c = contrast(eagle, best, "acc_0", level)
+    return Verdict("P3", CLAIMS["P3"], c.verdict, f"{name} study: {c.text}")
+
+
+def claim_h(studies: dict, level: float) -> Verdict:
+    ok = _ok(studies.get("hybrid"))
+    ckpt = [s for s in ok if s.fields.get("variant") == "hybrid" and s.fields.get("init") == "ckpt"]
+    base = [s for s in ok if continued_eagle3(s)]
+    extra = ""
+    rand, fresh = [s for s in ok if s.fields.get("variant") == "hybrid" and s.fields.get("init") == "random"], \
+        [s for s in ok if plain_eagle3(s)]
+    if rand and fresh:      # the other compute-matched pair: both trained from scratch for one schedule
+        r = contrast(rand[0], fresh[0], "step_mat", level)
+        extra = f"; from scratch, {r.text} ({r.verdict})"
+    if not ckpt or not base:
+        return Verdict("H", CLAIMS["H"], MISSING,
+                       "needs the checkpoint-initialised hybrid and EAGLE-3 continued (its compute-matched baseline) "
+                       "in the hybrid study" + extra)
+    c = contrast(ckpt[0], base[0], "step_mat", level)
+    return Verdict("H", CLAIMS["H"], c.verdict, c.text + extra)
+
+
+def _e2e_pick(e2e: list[E2EGroup], pred, scale) -> E2EGroup | None:
+    found = [g for g in e2e if pred(g) and g.fields.get("scale") == scale and g.kinds]
+    return found[0] if found else None
+
+
+def _rel(a: np.ndarray | None, b: np.ndarray | None) -> np.ndarray | None:
+    if a is None or b is None:
+        return None
+    with np.errstate(divide="ignore", invalid="ignore"):
+        return a / b - 1.0
+
+
+def claim_e(studies: dict, e2e: list[E2EGroup] | None, scales: list[str], ratio: float, level: float) -> Verdict:
+    is_hyb = lambda g: g.fields.get("variant") == "hybrid" and g.fields.get("init") in ("ckpt", None)  # noqa: E731
+    is_base = lambda g: continued_eagle3(g)  # noqa: E731
+    found = None
+    for scale in sorted({g.fields.get("scale") for g in e2e or []},
+                        key=lambda s: scales.index(s) if s in scales else -1, reverse=True):
+        h, e = _e2e_pick(e2e, is_hyb, scale), _e2e_pick(e2e, is_base, scale)
+        if h and e:
+            found = (scale, h, e)
+            break
+    if found is None:
+        return Verdict("E", CLAIMS["E"], MISSING, "needs end-to-end rows of the hybrid and EAGLE-3 continued at one "
+                                                  "data scale")
+    scale, h, e = found
+    kind = "paper" if "paper" in h.kinds and "paper" in e.kinds else "tuned"
+    if kind not in h.kinds or kind not in e.kinds:
+        return Verdict("E", CLAIMS["E"], MISSING, "no τ on a common tree for the hybrid and EAGLE-3 continued")
+    kh, ke = h.kinds[kind], e.kinds[kind]
+    hs = [s for s in _ok(studies.get("scale")) if s.fields.get("variant") == "hybrid"
+          and s.fields.get("init") in ("ckpt", None) and s.fields.get("scale") == scale]
+    es = [s for s in _ok(studies.get("scale")) if continued_eagle3(s) and s.fields.get("scale") == scale]
+    if not hs or not es:
+        return Verdict("E", CLAIMS["E"], MISSING, f"no step-wise MAT of the hybrid and EAGLE-3 continued at scale "
+                                                  f"{scale} in the scale study")
+    sh, se = hs[0], es[0]
+    step = contrast(sh, se, "step_mat", level)
+    rel_step = sh.value("step_mat") / se.value("step_mat") - 1
+    rel_e2e = kh.point["tau"] / ke.point["tau"] - 1
+    rs, re_ = _rel(sh.resampled("step_mat"), se.resampled("step_mat")), _rel(kh.tau, ke.tau)
+    evidence = (f"scale {scale}: step MAT {fmt(sh.value('step_mat'))} vs {fmt(se.value('step_mat'))} = "
+                f"{rel_step:+.1%} {pct_ci(rs, level)}; "
+                f"τ at the {kind} tree {fmt(kh.point['tau'], 2)} {fmt_ci(*kh.ci('tau', level), 2)} vs "
+                f"{fmt(ke.point['tau'], 2)} {fmt_ci(*ke.ci('tau', level), 2)} = {rel_e2e:+.1%} {pct_ci(re_, level)}")
+    if "tuned" in h.kinds and "tuned" in e.kinds:
+        evidence += (f"; speedup at the tuned tree {fmt(h.kinds['tuned'].point['speedup'], 2)}x vs "
+                     f"{fmt(e.kinds['tuned'].point['speedup'], 2)}x")
+    if step.verdict != HOLDS:
+        why = "no clear step-wise gain to shrink" if step.verdict == INCONCLUSIVE else "no step-wise gain"
+        return Verdict("E", CLAIMS["E"], step.verdict, f"{evidence} ({why})")
+    if rs is None or re_ is None:
+        return Verdict("E", CLAIMS["E"], INCONCLUSIVE, f"{evidence} (no interval for τ: rows without per-prompt data)")
+    verdict, ci = decide(ratio * rs - re_, level)       # independent draws: conversations vs prompts
+    return Verdict("E", CLAIMS["E"], verdict,
+                   f"{evidence}; {ratio:g}× the step gain minus the τ gain {pct_ci(ratio * rs - re_, level)}")
+
+
+def claim_b(studies: dict, e2e: list[E2EGroup] | None, level: float) -> Verdict:
+    ok = [s for s in _ok(studies.get("block")) if s.fields.get("variant") == "block"]
+    hidden = [s for s in ok if (s.fields.get("context") or "hidden") == "hidden"]
+    kv = [s for s in ok if s.fields.get("context") in ("kv", "both")]
+    if not hidden or not kv:
+        return Verdict("B", CLAIMS["B"], MISSING, "needs block drafters with hidden and kv/both context in the block "
+                                                  "study")
+    best_kv = max(kv, key=lambda s: s.value("step_mat"))
+    best_hidden = max(hidden, key=lambda s: s.value("step_mat"))
+    step = contrast(best_kv, best_hidden, "step_mat", level)
+    evidence = step.text
+    verdicts = [step.verdict]
+    groups = {tuple(g.trials): g for g in e2e or []}
+    gk = next((g for g in groups.values() if set(g.trials) & set(best_kv.trials)), None)
+    gh = next((g for g in groups.values() if set(g.trials) & set(best_hidden.trials)), None)
+    if gk is None or gh is None:
+        verdicts.append(MISSING)
+        evidence += "; not decoded end to end"
+    else:
+        kind = "tuned" if "tuned" in gk.kinds and "tuned" in gh.kinds else None
+        if kind is None:
+            verdicts.append(MISSING)
+        else:
+            a, b = gk.kinds[kind], gh.kinds[kind]
+            if a.tau is None or b.tau is None:
+                v, ci = INCONCLUSIVE, (math.nan, math.nan)
+            else:
+                v, ci = decide(a.tau - b.tau, level)
+            verdicts.append(v)
+            evidence += (f"; τ at the tuned tree {fmt(a.point['tau'], 2)} vs {fmt(b.point['tau'], 2)}: difference "
+                         f"{fmt(a.point['tau'] - b.point['tau'], 2)} {fmt_ci(*ci, 2, signed=True)}; speedup "
+                         f"{fmt(a.point['speedup'], 2)}x vs {fmt(b.point['speedup'], 2)}x")
+    return Verdict("B", CLAIMS["B"], combine(*verdicts), evidence)
+
+
+def findings(studies: dict, e2e: list[E2EGroup] | None, scales: list[str], much_smaller_ratio: float = 0.5,
+             level: float = 0.95, block: bool = False) -> list[Verdict]:
+    """One verdict per claim of the paper (and the block question when a block study exists)."""
+    out = [claim_p1(studies, level), claim_p2(studies, level), claim_p3(studies, level), claim_h(studies, level),
+           claim_e(studies, e2e, scales, much_smaller_ratio, level)]
+    if block or studies.get("block"):
+        out.append(claim_b(studies, e2e, level))
+    return out
+
+
+__all__ = ["CLAIMS", "Contrast", "E2EKind", "FAILS", "HOLDS", "INCONCLUSIVE", "MISSING", "Verdict", "combine",
+           "contrast", "findings", "fmt", "fmt_ci"]

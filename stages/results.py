@@ -1,0 +1,424 @@
+"""The metrics files as pandas tables with intervals: what the report and its findings are computed from.
+
+Source of truth: `metrics/stepwise/<study>.json` (one row per trial) and `metrics/e2e.json` (one row per drafter
+and tree). Both are read into DataFrames; trials that differ only in their seed are one *setting*, whose cells
+pool the seeds' counts.
+
+Intervals (DESIGN §4): rows written by the current evaluate stage keep every held-out conversation's counts
+(`per_conversation`); e2e rows keep every prompt's (`per_prompt`). A setting's bootstrap draws resample those
+(and its seeds, when it has several, `models.stats`). Settings evaluated on the same conversations share the
+conversation weights of each draw, so the difference of two settings' draws is a *paired* difference; settings
+on other conversations draw independently. Rows from before per-conversation counts existed still give point
+values; their intervals are missing (NaN), and no claim is decided on them.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pandas as pd
+
+from models.metrics import mat, retention
+from models.stats import (ConversationCounts, Draws, counts_array, draws_from_sums, interval, multinomial_weights,
+                          pooled, ratio_draws)
+from stages.common import Paths, StageError
+
+# What makes a setting (everything but the seed): the row fields, with the defaults rows from before a field
+# existed are read with.
+SETTING_DEFAULTS: dict[str, Any] = {"variant": None, "depth": None, "injection": None, "rope_fix": None, "init": None,
+                                    "scale": None, "fc_norm": False, "norm_output": False, "no_target": False,
+                                    "block_size": None, "context": None}
+SETTING_KEYS = tuple(SETTING_DEFAULTS)
+PAPER_TREE = (8, 10, 60)
+LOOKUP_KIND = "tuned_lookup"
+METRICS = ("step_mat", "chain_mat", "step_retention", "chain_retention")
+
+
+def read_rows(path: Path) -> list[dict]:
+    """A metrics file's rows; malformed JSON or a non-list is a one-line error naming the file."""
+    try:
+        rows = json.loads(Path(path).read_text())
+    except json.JSONDecodeError as exc:
+        raise StageError(f"{path}: not valid JSON ({exc.msg} at line {exc.lineno})") from None
+    if not isinstance(rows, list) or not all(isinstance(r, dict) for r in rows):
+        raise StageError(f"{path}: expected a JSON list of objects, one per trial")
+    return rows
+
+
+def _num(x: Any) -> float:
+    return float(x) if isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x) else math.nan
+
+
+def _extra(row: dict) -> dict[str, Any]:
+    """Swept values beyond the setting keys (an ad-hoc `kvshot sweep lr=...`): they split settings too."""
+    values = row.get("values") if isinstance(row.get("values"), dict) else {}
+    return {k: v for k, v in sorted(values.items()) if k.split(".")[-1] not in (*SETTING_KEYS, "seed")}
+
+
+def row_error(row: dict) -> str | None:
+    """Why a trial row cannot be used, or None."""
+    if row.get("status", "ok") != "ok":
+        return str(row.get("error") or f"status {row.get('status')}")
+    alpha = row.get("alpha")
+    if not isinstance(alpha, list) or not alpha or not all(a is None or isinstance(a, (int, float)) for a in alpha):
+        return "no alpha list in the metrics row"
+    return None
+
+
+def stepwise_frame(study: str, rows: list[dict]) -> pd.DataFrame:
+    """One row per trial: the setting columns, status, seed and the raw row (kept for its lists)."""
+    records = []
+    for r in rows:
+        rec = {k: r.get(k, d) if r.get(k) is not None else d for k, d in SETTING_DEFAULTS.items()}
+        rec.update(study=study, trial=str(r.get("trial")), seed=r.get("seed"), error=row_error(r),
+                   extra=json.dumps(_extra(r), sort_keys=True, default=str), row=r,
+                   commit=r.get("git_commit"), fingerprint=r.get("fingerprint"), reused_from=r.get("reused_from"))
+        records.append(rec)
+    frame = pd.DataFrame.from_records(records, columns=[*SETTING_KEYS, "study", "trial", "seed", "error", "extra",
+                                                        "row", "commit", "fingerprint", "reused_from"])
+    frame["setting"] = ["|".join(str(rec[k]) for k in (*SETTING_KEYS, "extra")) for rec in records]
+    return frame
+
+
+# -- a setting: point values and draws -------------------------------------------------------------------------
+
+@dataclass
+class Setting:
+    """One drafter setting of a study, its seeds pooled."""
+
+    study: str
+    fields: dict[str, Any]
+    extra: dict[str, Any]
+    trials: list[str]
+    seeds: int
+    failed: list[dict]
+    point: dict[str, float]                       # acc_k, alpha_k, chains_k, step/chain MAT and retention, ...
+    counts: ConversationCounts | None = None      # None: rows without per-conversation counts
+    draws: Draws | None = None
+    commits: list[str] = field(default_factory=list)
+
+    @property
+    def n(self) -> int:
+        return self.seeds
+
+    @property
+    def steps(self) -> int:
+        return sum(1 for k in self.point if k.startswith("acc_"))
+
+    def value(self, name: str) -> float:
+        return self.point.get(name, math.nan)
+
+    def resampled(self, name: str) -> np.ndarray | None:
+        return None if self.draws is None else self.draws.metric(name)
+
+    def ci(self, name: str, level: float = 0.95) -> tuple[float, float]:
+        d = self.resampled(name)
+        return (math.nan, math.nan) if d is None else interval(d, level)
+
+
+def _point_from_lists(rows: list[dict]) -> dict[str, float]:
+    """Point values of rows without per-conversation counts: the mean over seeds of each row's own numbers."""
+    K = max(len(r.get("acc") or r["alpha"]) for r in rows)
+    out: dict[str, float] = {}
+    for family in ("acc", "alpha"):
+        for k in range(K):
+            vals = [_num((r.get(family) or [])[k]) if k < len(r.get(family) or []) else math.nan for r in rows]
+            vals = [v for v in vals if not math.isnan(v)]
+            out[f"{family}_{k}"] = float(np.mean(vals)) if vals else math.nan
+    def mean(key, fn):
+        vals = [_num(r.get(key)) if r.get(key) is not None else fn(r) for r in rows]
+        vals = [v for v in vals if not math.isnan(v)]
+        return float(np.mean(vals)) if vals else math.nan
+    lists = lambda r, f: [_num(a) for a in (r.get(f) or [])]   # noqa: E731
+    out["step_mat"] = mean("step_mat", lambda r: mat(lists(r, "acc")) if r.get("acc") else math.nan)
+    out["chain_mat"] = mean("chain_mat", lambda r: _num(r.get("mat")) if r.get("mat") is not None
+                            else mat(lists(r, "alpha")))
+    out["step_retention"] = mean("step_retention", lambda r: retention(lists(r, "acc")) if r.get("acc") else math.nan)
+    out["chain_retention"] = mean("chain_retention", lambda r: _num(r.get("retention"))
+                                  if r.get("retention") is not None else retention(lists(r, "alpha")))
+    chains = [(r.get("counts") or {}).get("chain") for r in rows]
+    if all(isinstance(c, list) for c in chains):
+        for k in range(K):
+            out[f"chains_{k}"] = float(sum(c[k] for c in chains if k < len(c)))
+    out["agreement"] = mean("agreement", lambda r: math.nan)
+    return out
+
+
+def _point_from_counts(counts: ConversationCounts, rows: list[dict]) -> dict[str, float]:
+    d = draws_from_sums(counts.data.sum((0, 1))[None].astype(np.float64))
+    out = {f"acc_{k}": float(d.acc[0, k]) for k in range(counts.steps)}
+    out.update({f"alpha_{k}": float(d.alpha[0, k]) for k in range(counts.steps)})
+    out.update({f"chains_{k}": float(d.chains[0, k]) for k in range(counts.steps)})
+    out.update({m: float(getattr(d, m)[0]) for m in METRICS})
+    agree = [_num(r.get("agreement")) for r in rows]
+    out["agreement"] = float(np.nanmean(agree)) if not all(math.isnan(a) for a in agree) else math.nan
+    return out
+
+
+def build_setting(study: str, group: pd.DataFrame) -> Setting:
+    ok = group[group["error"].isna()]
+    first = group.iloc[0]
+    fields = {k: first[k] for k in SETTING_KEYS}
+    failed = [{**r, "error": e} for r, e in zip(group.loc[group["error"].notna(), "row"],
+                                                group.loc[group["error"].notna(), "error"])]
+    rows = list(ok["row"])
+    counts, point = None, {}
+    if rows:
+        packed = [r.get("per_conversation") for r in rows]
+        if all(isinstance(p, dict) and p.get("valid") for p in packed):
+            try:
+                counts = counts_array(packed)
+            except (ValueError, KeyError):
+                counts = None      # seeds on different conversations: point values only
+        point = _point_from_counts(counts, rows) if counts is not None else _point_from_lists(rows)
+    commits = sorted({str(c) for c in ok["commit"] if c})
+    return Setting(study, fields, json.loads(first["extra"]), sorted(group["trial"]), len(rows), failed, point,
+                   counts, None, commits)
+
+
+class Resampler:
+    """Bootstrap draws for every setting, paired wherever two settings were evaluated on the same conversations
+    (one weight matrix per set of conversation ids), deterministic for the same inputs."""
+
+    def __init__(self, draws: int = 2000, seed: int = 0):
+        self.n, self.seed = draws, seed
+        self._weights: dict[tuple, np.ndarray] = {}
+
+    def _rng(self, *key: str) -> np.random.Generator:
+        h = hashlib.sha256("\0".join((str(self.seed), *key)).encode()).digest()
+        return np.random.default_rng(int.from_bytes(h[:8], "little"))
+
+    def weights(self, ids: tuple, kind: str = "conversations") -> np.ndarray:
+        """[draws, len(ids)]: the same for every setting on these units (so their differences are paired)."""
+        key = (kind, ids)
+        if key not in self._weights:
+            self._weights[key] = multinomial_weights(len(ids), self.n, self._rng(kind, *ids))
+        return self._weights[key]
+
+    def setting(self, s: Setting) -> None:
+        if s.counts is None or not s.counts.ids:
+            return
+        ids = tuple(sorted(s.counts.ids))
+        counts = s.counts.select(list(ids))
+        sums = pooled(counts, self.weights(ids), self._rng("seeds", s.study, *map(str, s.fields.values()),
+                                                           json.dumps(s.extra, sort_keys=True)))
+        s.draws = draws_from_sums(sums)
+
+
+def settings_of(study: str, rows: list[dict], resampler: Resampler) -> list[Setting]:
+    frame = stepwise_frame(study, rows)
+    out = [build_setting(study, g) for _, g in frame.groupby("setting", sort=False)]
+    for s in out:
+        resampler.setting(s)
+    return out
+
+
+# -- end to end ------------------------------------------------------------------------------------------------
+
+@dataclass
+class E2EKind:
+    """One tree kind of one decoded setting: point values and, with per-prompt data, τ and speedup draws."""
+
+    tree: Any
+    point: dict[str, float]
+    tau: np.ndarray | None = None
+    speedup: np.ndarray | None = None
+
+    def ci(self, name: str, level: float = 0.95) -> tuple[float, float]:
+        d = getattr(self, name, None) if name in ("tau", "speedup") else None
+        return (math.nan, math.nan) if d is None else interval(d, level)
+
+
+@dataclass
+class E2EGroup:
+    fields: dict[str, Any]
+    trials: list[str]
+    kinds: dict[str, E2EKind]          # "paper", "tuned", "tuned_lookup"
+    lossless: bool | None
+    n_rows: int
+
+
+def tree_kind(row: dict) -> str:
+    kind = row.get("tree_kind")
+    if kind:
+        return str(kind)
+    tree = row.get("tree")
+    return "paper" if isinstance(tree, list) and tuple(tree) == PAPER_TREE else "tuned"
+
+
+E2E_POINT = ("tau", "speedup", "tokens_per_s", "baseline_tokens_per_s", "draft_time_share", "exact_match")
+
+
+def _e2e_kind(rows: list[dict], resampler: Resampler) -> E2EKind:
+    point = {k: float(np.nanmean([_num(r.get(k)) for r in rows])) if any(r.get(k) is not None for r in rows)
+             else math.nan for k in E2E_POINT}
+    kind = E2EKind(rows[0].get("tree"), point)
+    per = [r.get("per_prompt") for r in rows]
+    if len(rows) == 1 and isinstance(per[0], dict) and per[0].get("rounds"):
+        p = per[0]
+        ids = tuple(str(i) for i in p.get("ids") or range(len(p["rounds"])))
+        w = resampler.weights(ids, "prompts")
+        kind.tau = ratio_draws(p["accepted"], p["rounds"], w)
+        if p.get("greedy_seconds"):
+            rate = ratio_draws(p["tokens"], p["seconds"], w)
+            base = ratio_draws(p["greedy_tokens"], p["greedy_seconds"], w)
+            with np.errstate(divide="ignore", invalid="ignore"):
+                kind.speedup = rate / base
+    return kind
+
+
+def _fastest(rows: list[dict]) -> list[dict]:
+    """Rows of several trees for one kind: those of the fastest tree (as the e2e stage picks it)."""
+    by_tree: dict[str, list[dict]] = {}
+    for r in rows:
+        by_tree.setdefault(json.dumps(r.get("tree")), []).append(r)
+    speed = {t: np.nanmean([_num(r.get("speedup")) for r in rs]) for t, rs in by_tree.items()}
+    best = max(sorted(by_tree), key=lambda t: speed[t] if not math.isnan(speed[t]) else -1.0, default=None)
+    return by_tree[best] if best is not None else []
+
+
+def e2e_groups(rows: list[dict], trial_settings: dict[str, dict], resampler: Resampler) -> list[E2EGroup]:
+    """Group e2e rows by setting; a row named by a step-wise trial takes that trial's setting fields."""
+    groups: dict[tuple, list[dict]] = {}
+    for row in rows:
+        if row.get("status", "ok") != "ok" or row.get("tau") is None:
+            continue
+        fields = {k: row.get(k, d) if row.get(k) is not None else d for k, d in SETTING_DEFAULTS.items()}
+        fields.update({k: v for k, v in trial_settings.get(str(row.get("trial")), {}).items() if v is not None})
+        groups.setdefault(tuple(fields[k] for k in SETTING_KEYS), []).append(row)
+    out = []
+    for key, group in groups.items():
+        kinds = {}
+        for kind in ("paper", "tuned", LOOKUP_KIND):
+            chosen = [r for r in group if tree_kind(r) == kind]
+            if kind != "paper":
+                chosen = _fastest(chosen)
+            if chosen:
+                kinds[kind] = _e2e_kind(chosen, resampler)
+        lossless = [r.get("lossless") for r in group if r.get("lossless") is not None]
+        out.append(E2EGroup(dict(zip(SETTING_KEYS, key)), sorted({str(r.get("trial")) for r in group}), kinds,
+                            all(lossless) if lossless else None, len(group)))
+    return out
+
+
+# -- everything ------------------------------------------------------------------------------------------------
+
+@dataclass
+class Results:
+    """Every study's settings and the e2e groups, read and resampled from the metrics files."""
+
+    names: list[str]                              # the configured studies first, then any others found
+    configured: list[str]
+    raw: dict[str, list[dict] | None]             # None: no metrics file
+    studies: dict[str, list[Setting] | None]
+    e2e_rows: list[dict] | None
+    e2e: list[E2EGroup] | None
+    inputs: list[tuple[str, str]]                 # (path, sha256 prefix) of every file read
+    level: float = 0.95
+
+
+def _sha(path: Path) -> str:
+    return hashlib.sha256(Path(path).read_bytes()).hexdigest()[:12]
+
+
+def collect(context: dict, paths: Paths, draws: int = 2000, level: float = 0.95) -> Results:
+    """Read metrics/stepwise/<study>.json for every configured study (and any other found) and metrics/e2e.json."""
+    configured = list(context.get("studies") or [])
+    found = sorted(p.stem for p in (paths.root / "metrics" / "stepwise").glob("*.json"))
+    names = configured + [n for n in found if n not in configured]
+    resampler = Resampler(draws)
+    inputs: list[tuple[str, str]] = []
+    raw: dict[str, list[dict] | None] = {}
+    studies: dict[str, list[Setting] | None] = {}
+    for name in names:
+        p = paths.stepwise_metrics(name)
+        raw[name] = read_rows(p) if p.is_file() else None
+        if raw[name] is not None:
+            inputs.append((str(p.relative_to(paths.root)), _sha(p)))
+        studies[name] = settings_of(name, raw[name], resampler) if raw[name] is not None else None
+    e2e_rows = read_rows(paths.e2e_metrics) if paths.e2e_metrics.is_file() else None
+    e2e = None
+    if e2e_rows is not None:
+        inputs.append((str(paths.e2e_metrics.relative_to(paths.root)), _sha(paths.e2e_metrics)))
+        # an e2e row names its drafter by trial; the scale study's trials carry the full setting
+        trial_settings: dict[str, dict] = {}
+        for study in ["scale", *sorted({str(r["study"]) for r in e2e_rows if r.get("study")})]:
+            for r in raw.get(study) or []:
+                trial_settings.setdefault(str(r.get("trial")), {k: r.get(k) for k in SETTING_KEYS})
+        e2e = e2e_groups(e2e_rows, trial_settings, resampler)
+    return Results(names, configured, raw, studies, e2e_rows, e2e, inputs, level)
+
+
+# -- names -----------------------------------------------------------------------------------------------------
+
+VARIANT_NAMES = {"eagle3": "EAGLE-3 (hidden-only)", "kv_only": "KV-only", "hybrid": "hybrid",
+                 "cross_only": "cross-only", "block": "block", "prompt_lookup": "prompt lookup"}
+VARIANT_ORDER = ("kv_only", "hybrid", "cross_only", "block", "eagle3", "prompt_lookup")
+
+
+def variant_name(f: dict) -> str:
+    """The drafter family as the tables name it (EAGLE-3.1 and the controls by their own names)."""
+    v = f.get("variant")
+    if v == "eagle3":
+        name = "EAGLE-3.1" if f.get("fc_norm") and f.get("norm_output") else \
+            "EAGLE-3 + fc norm" if f.get("fc_norm") else "EAGLE-3 + normed output" if f.get("norm_output") \
+            else "EAGLE-3 (hidden-only)"
+        return f"{name} continued" if f.get("init") == "continued" else name
+    if v == "kv_only" and f.get("no_target"):
+        return "no target information (control)"
+    name = VARIANT_NAMES.get(v, str(v))
+    if v in ("hybrid", "cross_only") and (f.get("fc_norm") or f.get("norm_output")):
+        name += " (EAGLE-3.1 norms)" if f.get("fc_norm") and f.get("norm_output") else " (one EAGLE-3.1 norm)"
+    return name
+
+
+def label(s: "Setting | E2EGroup", with_scale: bool | None = None) -> str:
+    """A short human name of a setting, naming only what varies for its variant."""
+    f = s.fields
+    v = f.get("variant")
+    parts = [variant_name(f)]
+    depth = f.get("depth")
+    if depth is not None and (v in ("kv_only", "block") or depth != 1):
+        parts.append(f"{depth} layer" + ("s" if depth != 1 else ""))
+    if v == "kv_only" and f.get("injection") and not f.get("no_target"):
+        parts.append(str(f["injection"]).replace("_", " "))
+    if v == "kv_only" and f.get("rope_fix") and not f.get("no_target"):
+        parts.append("RoPE fix")
+    if v in ("hybrid", "cross_only") and f.get("init"):
+        parts.append(f"{f['init']} init")
+    if v == "block":
+        parts.append(f"{f.get('context') or 'hidden'} context, B={f.get('block_size')}")
+    study = getattr(s, "study", None)
+    if f.get("scale") and (with_scale if with_scale is not None else study == "scale"):
+        parts.append(f"scale {f['scale']}")
+    parts += [f"{k}={x}" for k, x in (getattr(s, "extra", None) or {}).items()]
+    return ", ".join(parts)
+
+
+def sort_key(fields: dict, scale_order: list[str], extra: dict | None = None) -> tuple:
+    v = fields.get("variant")
+    scale, depth = fields.get("scale"), fields.get("depth")
+    return (VARIANT_ORDER.index(v) if v in VARIANT_ORDER else len(VARIANT_ORDER), str(v),
+            bool(fields.get("no_target")), fields.get("init") == "continued",
+            scale_order.index(scale) if scale in scale_order else len(scale_order), str(scale),
+            depth if isinstance(depth, int) else 10**6, str(depth),
+            *((fields.get(k) is None, str(fields.get(k))) for k in ("injection", "rope_fix", "init", "fc_norm",
+                                                                    "norm_output", "context", "block_size")),
+            json.dumps(extra or {}, default=str))
+
+
+def scale_order(context: dict, rows: list[dict]) -> list[str]:
+    """Data scales from smallest to largest: by the sizes the pipeline hands in, else by first appearance."""
+    seen: list[str] = []
+    for r in rows:
+        if r.get("scale") is not None and r["scale"] not in seen:
+            seen.append(r["scale"])
+    sizes = context.get("data_sizes")
+    if isinstance(sizes, dict) and all(isinstance(sizes.get(s), (int, float)) for s in seen):
+        seen.sort(key=lambda s: sizes[s])
+    return seen
