@@ -194,7 +194,7 @@ def export_cmd(run_dir: Path = typer.Argument(..., help="A finished run director
 
         cache = os.environ.get("KVSHOT_MODEL_CACHE")
         paths = Paths(root=root.resolve(), cache=Path(cache) if cache else None)
-        config = stage.check_run(run_dir, fmt, dtype)      # one-line errors before the target's config is read
+        config = stage.check_run(run_dir, fmt, dtype, out, force)   # bad input fails before the target is read
         target = stage.load_verifier(stage.run_target(config, run_dir), paths, verifier)
         done = stage.export(run_dir, fmt, out, target, dtype=dtype, overwrite=force)
         console.print(f"exported {run_dir} -> {done.out} ({fmt} format: {', '.join(done.files)})", highlight=False,

@@ -109,12 +109,22 @@ def check_dtype(dtype: str) -> str:
     return dtype
 
 
-def check_run(run_dir: Path, fmt: str, dtype: str = "float32") -> dict:
+def check_out(out: Path, overwrite: bool = False) -> None:
+    """`out` must not exist, or be an empty directory, unless it is to be replaced."""
+    out = Path(out)
+    if out.exists() and not (out.is_dir() and not any(out.iterdir())) and not overwrite:
+        raise StageError(f"--out {out}: already exists and is not empty (remove it or pass --force)")
+
+
+def check_run(run_dir: Path, fmt: str, dtype: str = "float32", out: Path | None = None,
+              overwrite: bool = False) -> dict:
     """Everything that can be checked before the target's config is read; returns the run's config.json."""
     check_format(fmt)
     check_dtype(dtype)
     config, _ = read_finished_run(run_dir)
     exportable_config(config, run_dir, fmt)
+    if out is not None:
+        check_out(out, overwrite)
     return config
 
 
@@ -270,6 +280,10 @@ def feature_layers(config: dict, verifier: Verifier, fmt: str) -> list[int]:
     if len(set(layers)) != len(layers):
         raise StageError(f"target.feature_layers={layers} repeats a layer, which cannot be expressed in format "
                          f"{fmt!r}: the engines capture each layer once")
+    if layers != sorted(layers):
+        # vLLM and SGLang append the captured states in layer order, whatever the order of the ids
+        raise StageError(f"target.feature_layers={layers} is not in ascending order, which cannot be expressed in "
+                         f"format {fmt!r}: the engines concatenate the captured layers in layer order")
     bad = [i for i in layers if not 1 <= i <= L - 1]
     if bad:
         raise StageError(f"target.feature_layers={layers}: {bad} cannot be expressed in format {fmt!r}; the "
@@ -529,8 +543,7 @@ def _fsync_dir_files(directory: Path) -> None:
 def write_export(out: Path, out_cfg: dict, tensors: dict, card_text: str, overwrite: bool = False) -> list[str]:
     """Fill a temporary directory beside `out` and rename it into place: a failure leaves `out` untouched."""
     out = Path(out)
-    if out.exists() and not (out.is_dir() and not any(out.iterdir())) and not overwrite:
-        raise StageError(f"--out {out}: already exists and is not empty (remove it or pass --force)")
+    check_out(out, overwrite)
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(dir=out.parent, prefix=f".{out.name}.tmp-"))
     old = None
@@ -596,7 +609,8 @@ def read_export(directory: Path) -> tuple[Any, dict[str, torch.Tensor], dict[str
             depth=int(fields.get("num_hidden_layers", 1)), n_features=len(layers),
             rms_norm_eps=float(fields["rms_norm_eps"]),
             rope_theta=float(rope_parameters_of(fields)["rope_theta"]), rope_inv_freq=[float(x) for x in inv],
-            rope_scaling=scale, fc_norm=bool(raw.get("fc_norm", False)), norm_output=bool(raw.get("norm_output", False)),
+            rope_scaling=scale, fc_norm=bool(raw.get("fc_norm", False)),
+            norm_output=bool(raw.get("norm_output", False)),
             extra={"export": fmt, "target": trained_on})
     except (KeyError, TypeError, ValueError) as exc:
         raise StageError(f"{directory / CONFIG_FILE}: not a readable {fmt} config ({type(exc).__name__}: {exc})") \

@@ -83,7 +83,8 @@ def test_eagle3_format_fields_and_tensors(tmp_path, target, verifier):
     assert cfg["architectures"] == ["LlamaForCausalLMEagle3"] and cfg["model_type"] == "llama"
     assert cfg["vocab_size"] == 64 and cfg["draft_vocab_size"] == 40 and cfg["target_hidden_size"] == 48
     assert cfg["tie_word_embeddings"] is False and cfg["num_hidden_layers"] == 1
-    assert (cfg["hidden_size"], cfg["num_attention_heads"], cfg["num_key_value_heads"], cfg["head_dim"]) == (48, 6, 2, 8)
+    heads = (cfg["num_attention_heads"], cfg["num_key_value_heads"], cfg["head_dim"])
+    assert cfg["hidden_size"] == 48 and heads == (6, 2, 8)
     # kvshot's hidden_states[2, 4, 5] are the inputs of layers 2, 4, 5 (vLLM) = outputs of layers 1, 3, 4 (SGLang)
     assert cfg["eagle_aux_hidden_state_layer_ids"] == [2, 4, 5]
     assert cfg["eagle_config"]["eagle_aux_hidden_state_layer_ids"] == [1, 3, 4]
@@ -127,7 +128,8 @@ def test_speculators_format_fields_and_tensors(tmp_path, target, verifier):
     w = load_file(str(out / "model.safetensors"))
     assert {"fc_norm.0.weight", "fc_norm.1.weight", "fc_norm.2.weight", "layers.0.hidden_norm.weight",
             "layers.1.input_layernorm.weight", "layers.1.self_attn.q_proj.weight"} <= set(w)
-    assert w["layers.0.self_attn.q_proj.weight"].shape == (48, 96) and w["layers.1.self_attn.q_proj.weight"].shape == (48, 48)
+    assert w["layers.0.self_attn.q_proj.weight"].shape == (48, 96)       # layer 0 reads [emb; hidden]
+    assert w["layers.1.self_attn.q_proj.weight"].shape == (48, 48)
     assert not any(k.startswith("midlayer.") or "embed_tokens" in k for k in w)
 
 
@@ -208,8 +210,8 @@ def trained(tmp_path_factory):
     run_dir = tmp_path_factory.mktemp("runs") / "scale" / "eagle3"
     params = TrainParams(max_steps=12, batch_size=2, lr=1e-2, precision="fp32", log_every=100, checkpoint_every=100,
                          warmup_ratio=0.1)
-    run(DrafterParams(variant="eagle3", draft_vocab_size=48), params, run_dir, Paths(run_dir.parent), lambda *a, **k: None,
-        target=TargetParams(), source=src, loaded_target=tgt)
+    run(DrafterParams(variant="eagle3", draft_vocab_size=48), params, run_dir, Paths(run_dir.parent),
+        lambda *a, **k: None, target=TargetParams(), source=src, loaded_target=tgt)
     return run_dir, tgt
 
 
@@ -323,6 +325,8 @@ BAD = {
                     "drafter.depth=2 cannot be expressed in format 'eagle3'"),
     "repeated layers": (lambda tmp, t: save_run_dir(tmp / "rep", drafter_for(t), feature_layers=[2, 4, 4]), "eagle3",
                         "repeats a layer"),
+    "unsorted layers": (lambda tmp, t: save_run_dir(tmp / "uns", drafter_for(t), feature_layers=[5, 2, 4]), "eagle3",
+                        "not in ascending order"),
     "embedding layer": (lambda tmp, t: save_run_dir(tmp / "emb", drafter_for(t), feature_layers=[0, 4, 5]),
                         "speculators", "[0] cannot be expressed"),
 }
@@ -423,14 +427,26 @@ def test_cli_exports_a_run_whose_target_is_a_local_model(tmp_path, target):
 @pytest.mark.parametrize("args, needle", [
     (("--format", "onnx"), "formats: eagle3, speculators"),
     (("--format", "eagle3", "--dtype", "int4"), "--dtype 'int4'"),
+    (("--format", "eagle3"), "already exists and is not empty"),
+    (("--format", "speculators", "--verifier", "x"), "not a finished run"),
 ])
 def test_cli_bad_input_is_one_line_and_exit_2(tmp_path, target, args, needle):
     run = save_run_dir(tmp_path / "run", drafter_for(target))
-    res = _cli("export", str(run), *args, "--out", str(tmp_path / "out"))
+    out = tmp_path / "out"
+    if "already exists" in needle:
+        out.mkdir()
+        (out / "keep.txt").write_text("mine")
+    if "not a finished" in needle:
+        (run / "model.safetensors").unlink()
+    res = _cli("export", str(run), *args, "--out", str(out))
     assert res.exit_code == 2
     lines = [ln for ln in res.output.splitlines() if ln.strip()]
     assert len(lines) == 1 and needle in lines[0], res.output
-    assert not (tmp_path / "out").exists()
+    if "already exists" in needle:
+        assert [p.name for p in out.iterdir()] == ["keep.txt"] and (out / "keep.txt").read_text() == "mine"
+    else:
+        assert not out.exists()
+    assert no_leftovers(tmp_path)
 
 
 # -- the speculators package itself (slow: a scratch environment) -------------------------------------------------
