@@ -1,6 +1,7 @@
-"""`kvshot`: every DAG stage alone, sweeps on Ray Tune, the whole DAG through DVC, and the MLflow UI.
+"""`kvshot`: every DAG stage alone, sweeps on Ray Tune, the whole DAG through DVC, the MLflow UI, and exports of
+trained drafters to the serving engines' formats.
 
-Every command takes `--profile NAME` (params.yaml of the working directory when omitted) and `key=value`
+Every stage command takes `--profile NAME` (params.yaml of the working directory when omitted) and `key=value`
 overrides (DESIGN §10); a bad key, value or input is one red line and exit code 2.
 """
 from __future__ import annotations
@@ -174,6 +175,31 @@ def _e2e_run_dirs(cfg: Config, paths) -> list[Path]:
             base = paths.root / "runs" / name
             dirs += sorted(p for p in base.glob("*") if (p / "model.safetensors").is_file()) if base.is_dir() else []
     return dirs + [Path(p) for p in cfg.e2e.checkpoints]
+
+
+@app.command("export")
+def export_cmd(run_dir: Path = typer.Argument(..., help="A finished run directory, e.g. runs/scale/eagle3-small."),
+               fmt: str = typer.Option(..., "--format", "-f", help="eagle3 (SGLang/vLLM EAGLE-3 directory) or "
+                                       "speculators (vllm serve DIR)."),
+               out: Path = typer.Option(..., "--out", "-o", help="Directory to write (must not exist or be empty)."),
+               verifier: Optional[str] = typer.Option(None, "--verifier", help="The target's name or path as the "
+                                                      "engine should load it (default: the run's target)."),
+               dtype: str = typer.Option("float32", "--dtype", help="Weights as float32 (as trained) or bfloat16."),
+               force: bool = typer.Option(False, "--force", help="Replace an existing export in --out."),
+               root: Path = RootOpt):
+    """Export a trained EAGLE-3 drafter to a serving engine's format (with a README card)."""
+    def body():
+        from stages import export as stage
+        from stages.common import Paths
+
+        cache = os.environ.get("KVSHOT_MODEL_CACHE")
+        paths = Paths(root=root.resolve(), cache=Path(cache) if cache else None)
+        config = stage.check_run(run_dir, fmt, dtype, out, force)   # bad input fails before the target is read
+        target = stage.load_verifier(stage.run_target(config, run_dir), paths, verifier)
+        done = stage.export(run_dir, fmt, out, target, dtype=dtype, overwrite=force)
+        console.print(f"exported {run_dir} -> {done.out} ({fmt} format: {', '.join(done.files)})", highlight=False,
+                      soft_wrap=True)
+    _guarded(body)
 
 
 @app.command()

@@ -8,7 +8,10 @@ Layout of `runs/<study>/<trial>/` (DESIGN §10):
     checkpoint/step-NNNNNNN/ model.safetensors, optimizer.pt, scheduler.pt, rng.pt, state.json
 
 A checkpoint directory is filled under a temporary name and renamed into place, and `latest` moves only
-after that; a kill at any moment leaves the previous checkpoint readable. Optimizer and scheduler states
+after that; a kill at any moment leaves the previous checkpoint readable.
+
+A directory written by `kvshot export` (either engine format, see `stages.export`) is accepted wherever a trained
+run directory is (`is_trained`, `trained_run_dirs`, `load_drafter`): the drafter is rebuilt from the engine fields. Optimizer and scheduler states
 hold Python scalars next to tensors, so they go through `torch.save` and come back with `weights_only=True`.
 """
 from __future__ import annotations
@@ -81,12 +84,14 @@ def load_run(run_dir: Path) -> tuple[dict[str, Any], dict[str, torch.Tensor]]:
 
 
 def is_trained(run_dir: Path) -> bool:
+    """A trained drafter is there: a finished run's config.json + model.safetensors, or an export (same files)."""
     run_dir = Path(run_dir)
     return (run_dir / CONFIG_FILE).is_file() and (run_dir / MODEL_FILE).is_file()
 
 
 def trained_run_dirs(run_dirs, none_given: str) -> list[Path]:
-    """The run directories as paths, each holding a trained drafter; `none_given` is the error for an empty list."""
+    """The run (or exported) directories as paths, each holding a trained drafter; `none_given` is the error for
+    an empty list."""
     dirs = [Path(r) for r in run_dirs]
     if not dirs:
         raise StageError(none_given)
@@ -111,17 +116,28 @@ def load_weights(model: torch.nn.Module, weights: dict[str, torch.Tensor]) -> No
 
 
 def load_drafter(run_dir: Path, target) -> tuple[Any, dict[str, Any]]:
-    """Rebuild a trained drafter from its run directory, with `target`'s embedding copied back in.
+    """Rebuild a trained drafter from its run directory (or an exported directory), with `target`'s embedding
+    copied back in.
 
-    Returns (drafter in eval mode on the target's device, the run's config.json).
+    Returns (drafter in eval mode on the target's device, the run's config.json; for an export a config of the
+    same shape, see `stages.export.read_export`).
     """
     from models.drafter import Drafter, DrafterConfig
+    from stages.export import export_format, read_export
 
-    config, weights = load_run(run_dir)
-    try:
-        cfg = DrafterConfig.from_dict(config["drafter"])
-    except (KeyError, TypeError, ValueError) as exc:
-        raise StageError(f"{Path(run_dir) / CONFIG_FILE}: no valid drafter config ({exc})") from None
+    if export_format(run_dir) is not None:
+        cfg, weights, config = read_export(run_dir)
+        layers = config["export"]["feature_layers"]
+        if list(layers) != list(target.feature_layers):
+            # an engine would tap these layers of the target; a drafter fed other ones drafts nonsense
+            raise StageError(f"exported drafter {run_dir}: taps target hidden_states {layers}, the target gives "
+                             f"{target.feature_layers} (target.feature_layers)")
+    else:
+        config, weights = load_run(run_dir)
+        try:
+            cfg = DrafterConfig.from_dict(config["drafter"])
+        except (KeyError, TypeError, ValueError) as exc:
+            raise StageError(f"{Path(run_dir) / CONFIG_FILE}: no valid drafter config ({exc})") from None
     if (cfg.vocab_size, cfg.hidden_size) != (target.vocab_size, target.hidden_size):
         raise StageError(f"run directory {run_dir}: drafter built for vocab {cfg.vocab_size} / hidden "
                          f"{cfg.hidden_size}, the target has {target.vocab_size} / {target.hidden_size}")

@@ -1,0 +1,551 @@
+"""`kvshot export`: engine formats checked against an independent loader, the round trip, bad input."""
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from models.decoding import DrafterProposer, TreeSpec, greedy_generate, speculative_generate
+from stages import checkpoint as ckpt
+from stages import export as ex
+from stages.common import StageError
+from tests.drafter_helpers import make_drafter, naive_logits
+from tests.engine_reference import EngineDraft, engine_logits
+
+ROOT = Path(__file__).resolve().parent.parent
+# fp32 logits of the reference loader against kvshot's drafter: both compute the same sums in another order
+ATOL = 1e-5
+MAX_DIFFS: dict[str, float] = {}
+
+
+def tiny8(**kw):
+    """A tiny fp32 Llama target with 8 layers: default feature layers [2, 4, 5] (distinct, as engines need)."""
+    from models.target import tiny_target
+
+    args = dict(num_layers=8, hidden_size=48, num_heads=6, num_kv_heads=2, vocab_size=64)
+    args.update(kw)
+    return tiny_target("llama", **args)
+
+
+@pytest.fixture(scope="module")
+def target():
+    return tiny8()
+
+
+@pytest.fixture(scope="module")
+def verifier(target):
+    return ex.Verifier.from_target(target, "tiny/llama-verifier")
+
+
+def save_run_dir(path: Path, drafter, feature_layers=None, result: dict | None = None, **config) -> Path:
+    """A finished run directory as the train stage writes it, for a drafter built in the test."""
+    cfg = drafter.config
+    run = {"drafter": cfg.to_dict(), "draft_vocab_size": cfg.draft_vocab_size,
+           "params": {"drafter": {"variant": cfg.variant, "depth": cfg.depth},
+                      "train": {"scale": "small", "ttt_steps": 7, "step_decay": 0.8, "lr": 1e-3, "batch_size": 2,
+                                "precision": "fp32", "seed": 0},
+                      "target": {"source": "tiny", "dtype": "float32", "feature_layers": feature_layers,
+                                 "kv_layers": None}},
+           "data": {"scale": "small", "conversations": 4, "steps": 3},
+           "summary": {"steps": 3, "tokens": 120, "finished": True}}
+    run.update(config)
+    ckpt.save_run(path, run, ckpt.trainable_weights(drafter))
+    if result is not None:
+        (path / ex.RESULT_FILE).write_text(json.dumps(result))
+    return path
+
+
+def drafter_for(target, seed: int = 0, **kw):
+    d = make_drafter(target, seed=seed, draft_vocab_size=40, **kw)
+    d.set_vocab(torch.randperm(64, generator=torch.Generator().manual_seed(seed + 5))[:40].sort().values)
+    return d
+
+
+def no_leftovers(parent: Path) -> bool:
+    return not [p for p in parent.iterdir() if p.name.startswith(".") and (".tmp-" in p.name or ".old-" in p.name)]
+
+
+# -- what each format writes --------------------------------------------------------------------------------------
+
+def test_eagle3_format_fields_and_tensors(tmp_path, target, verifier):
+    run = save_run_dir(tmp_path / "runs" / "depth" / "eagle3", drafter_for(target))
+    out = tmp_path / "export"
+    res = ex.export(run, "eagle3", out, verifier)
+    assert res.files == ["README.md", "config.json", "model.safetensors"]
+    cfg = json.loads((out / "config.json").read_text())
+    assert cfg["architectures"] == ["LlamaForCausalLMEagle3"] and cfg["model_type"] == "llama"
+    assert cfg["vocab_size"] == 64 and cfg["draft_vocab_size"] == 40 and cfg["target_hidden_size"] == 48
+    assert cfg["tie_word_embeddings"] is False and cfg["num_hidden_layers"] == 1
+    heads = (cfg["num_attention_heads"], cfg["num_key_value_heads"], cfg["head_dim"])
+    assert cfg["hidden_size"] == 48 and heads == (6, 2, 8)
+    # kvshot's hidden_states[2, 4, 5] are the inputs of layers 2, 4, 5 (vLLM) = outputs of layers 1, 3, 4 (SGLang)
+    assert cfg["eagle_aux_hidden_state_layer_ids"] == [2, 4, 5]
+    assert cfg["eagle_config"]["eagle_aux_hidden_state_layer_ids"] == [1, 3, 4]
+    assert cfg["rope_theta"] == 10000.0 and cfg["rope_scaling"] is None
+    assert cfg["rope_parameters"] == {"rope_theta": 10000.0, "rope_type": "default"}
+    assert cfg["fc_norm"] is False and cfg["norm_output"] is False and cfg["norm_before_residual"] is False
+    w = load_file(str(out / "model.safetensors"))
+    layer = {"input_layernorm.weight", "hidden_norm.weight", "post_attention_layernorm.weight",
+             "self_attn.q_proj.weight", "self_attn.k_proj.weight", "self_attn.v_proj.weight", "self_attn.o_proj.weight",
+             "mlp.gate_proj.weight", "mlp.up_proj.weight", "mlp.down_proj.weight"}
+    assert set(w) == {"fc.weight", "norm.weight", "lm_head.weight", "d2t", "t2d"} | {"midlayer." + n for n in layer}
+    assert w["midlayer.self_attn.q_proj.weight"].shape == (48, 96)       # q/k/v read [emb; hidden] = 2d
+    assert w["midlayer.self_attn.k_proj.weight"].shape == (16, 96)
+    assert w["fc.weight"].shape == (48, 144) and w["lm_head.weight"].shape == (40, 48)
+    assert w["d2t"].dtype == torch.int64 and w["t2d"].dtype == torch.bool
+    ids = ckpt.load_run(run)[1]["d2t"]
+    assert torch.equal(torch.arange(40) + w["d2t"], ids)                  # offsets: target id = i + d2t[i]
+    assert torch.equal(w["t2d"].nonzero().squeeze(1), ids) and w["t2d"].shape == (64,)
+    assert (out / "README.md").is_file() and no_leftovers(tmp_path)
+
+
+def test_speculators_format_fields_and_tensors(tmp_path, target, verifier):
+    run = save_run_dir(tmp_path / "run", drafter_for(target, depth=2, fc_norm=True, norm_output=True))
+    out = tmp_path / "spec"
+    ex.export(run, "speculators", out, verifier)
+    text = (out / "config.json").read_text()
+    cfg = json.loads(text)
+    assert '"norm_before_residual": false' in text                   # vLLM's reader defaults it to true
+    assert cfg["speculators_model_type"] == "eagle3" and cfg["architectures"] == ["Eagle3Speculator"]
+    sc = cfg["speculators_config"]
+    assert sc["algorithm"] == "eagle3" and sc["default_proposal_method"] == "greedy"
+    assert sc["proposal_methods"] == [{"proposal_type": "greedy", "speculative_tokens": 7, "verifier_accept_k": 1,
+                                       "accept_tolerance": 0.0}]
+    assert sc["verifier"] == {"name_or_path": "tiny/llama-verifier", "architectures": ["LlamaForCausalLM"]}
+    tl = cfg["transformer_layer_config"]
+    assert tl["model_type"] == "llama" and tl["num_hidden_layers"] == 2 and tl["vocab_size"] == 64
+    assert tl["tie_word_embeddings"] is False and cfg["tie_word_embeddings"] is False
+    assert cfg["draft_vocab_size"] == 40 and cfg["target_hidden_size"] == 48
+    assert cfg["eagle_aux_hidden_state_layer_ids"] == [2, 4, 5]
+    assert cfg["fc_norm"] is True and cfg["norm_output"] is True and cfg["norm_before_fc"] is False
+    w = load_file(str(out / "model.safetensors"))
+    assert {"fc_norm.0.weight", "fc_norm.1.weight", "fc_norm.2.weight", "layers.0.hidden_norm.weight",
+            "layers.1.input_layernorm.weight", "layers.1.self_attn.q_proj.weight"} <= set(w)
+    assert w["layers.0.self_attn.q_proj.weight"].shape == (48, 96)       # layer 0 reads [emb; hidden]
+    assert w["layers.1.self_attn.q_proj.weight"].shape == (48, 48)
+    assert not any(k.startswith("midlayer.") or "embed_tokens" in k for k in w)
+
+
+def test_bfloat16_export_halves_the_weights_and_keeps_the_maps(tmp_path, target, verifier):
+    run = save_run_dir(tmp_path / "run", drafter_for(target))
+    ex.export(run, "eagle3", tmp_path / "bf16", verifier, dtype="bfloat16")
+    w = load_file(str(tmp_path / "bf16" / "model.safetensors"))
+    assert w["fc.weight"].dtype == torch.bfloat16 and w["d2t"].dtype == torch.int64
+    assert json.loads((tmp_path / "bf16" / "config.json").read_text())["torch_dtype"] == "bfloat16"
+
+
+# -- the independent loader ----------------------------------------------------------------------------------------
+
+CASES = [("eagle3", {}), ("eagle3", dict(fc_norm=True, norm_output=True)), ("speculators", {}),
+         ("speculators", dict(depth=2, fc_norm=True, norm_output=True))]
+
+
+@pytest.mark.parametrize("fmt, kw", CASES, ids=lambda v: v if isinstance(v, str) else "-".join(v) or "plain")
+def test_reference_loader_reproduces_kvshot_logits(tmp_path, target, verifier, fmt, kw):
+    """An engine-semantics loader, reading only the exported files, gives kvshot's drafter's next-token choice at
+    every position and step of a held-out sequence, logits within ATOL (fp32)."""
+    drafter = drafter_for(target, seed=3, **kw)
+    out = tmp_path / fmt
+    ex.export(save_run_dir(tmp_path / "run", drafter), fmt, out, verifier)
+    seq = torch.randint(0, 64, (14,), generator=torch.Generator().manual_seed(123))   # not training data
+    K = 4
+    ref = engine_logits(out, target.model, target.embed_tokens.weight.detach(), seq, K)
+    cap = target.capture(seq[None])
+    mine = naive_logits(drafter, seq[None], torch.cat(cap.features, -1), None, K)[:, 0]   # [K, T, V_draft]
+    full = torch.full_like(ref, float("-inf"))
+    full[..., drafter.d2t] = mine
+    valid = ~torch.isnan(ref[..., 0])
+    assert int(valid.sum()) == sum(max(0, 14 - 1 - k) for k in range(K))
+    assert torch.equal(ref[valid].argmax(-1), full[valid].argmax(-1))
+    finite = torch.isfinite(full[valid])
+    assert torch.equal(finite, torch.isfinite(ref[valid]))                 # the same draft vocabulary
+    diff = (ref[valid][finite] - full[valid][finite]).abs().max().item()
+    MAX_DIFFS[f"{fmt}-{kw}"] = diff
+    print(f"max |logit diff| {fmt} {kw}: {diff:.2e}")
+    assert diff < ATOL
+
+
+def test_both_layer_id_conventions_tap_the_features_kvshot_trained_on(tmp_path, target, verifier):
+    out = tmp_path / "e"
+    ex.export(save_run_dir(tmp_path / "run", drafter_for(target)), "eagle3", out, verifier)
+    eng = EngineDraft(out)
+    seq = torch.randint(0, 64, (9,), generator=torch.Generator().manual_seed(4))
+    vllm = eng.aux_hidden(target.model, seq, eng.vllm_layer_ids())
+    sglang = eng.aux_hidden(target.model, seq, eng.sglang_capture_ids())
+    kvshot = torch.cat(target.capture(seq[None]).features, -1)[0]
+    assert torch.equal(vllm, sglang) and torch.allclose(vllm, kvshot.float(), atol=1e-6)
+    # an off-by-one export would tap other layers: the reference sees the difference
+    shifted = eng.aux_hidden(target.model, seq, [i - 1 for i in eng.vllm_layer_ids()])
+    assert not torch.allclose(shifted, kvshot.float(), atol=1e-3)
+
+
+# -- the round trip ----------------------------------------------------------------------------------------------
+
+def peaked_target():
+    """A tiny target with peaked next-token distributions, so a few training steps give real acceptance."""
+    t = tiny8()
+    with torch.no_grad():
+        t.lm_head.weight.normal_(0, 0.6, generator=torch.Generator().manual_seed(0))
+    return t
+
+
+@pytest.fixture(scope="module")
+def trained(tmp_path_factory):
+    """A tiny eagle3 run trained by the train stage (fp32), and its target."""
+    from stages.common import Paths, TargetParams
+    from stages.train import DrafterParams, TrainParams, online_source, run
+
+    tgt = peaked_target()
+    g = torch.Generator().manual_seed(0)
+    convs = [(torch.randint(0, 64, (16 + i % 3,), generator=g).tolist(), [j >= 4 for j in range(16 + i % 3)])
+             for i in range(4)]
+    src = online_source(tgt, convs)
+    run_dir = tmp_path_factory.mktemp("runs") / "scale" / "eagle3"
+    params = TrainParams(max_steps=12, batch_size=2, lr=1e-2, precision="fp32", log_every=100, checkpoint_every=100,
+                         warmup_ratio=0.1)
+    run(DrafterParams(variant="eagle3", draft_vocab_size=48), params, run_dir, Paths(run_dir.parent),
+        lambda *a, **k: None, target=TargetParams(), source=src, loaded_target=tgt)
+    return run_dir, tgt
+
+
+def decode_all(drafter, tgt, prompts, spec):
+    return [speculative_generate(tgt, p, 24, DrafterProposer(drafter, tgt), spec) for p in prompts]
+
+
+@pytest.mark.parametrize("fmt", list(ex.FORMATS))
+def test_round_trip_decodes_losslessly_with_the_same_tau(tmp_path, trained, fmt):
+    from stages.e2e import _setting
+
+    run_dir, tgt = trained
+    out = tmp_path / f"export-{fmt}"
+    ex.export(run_dir, fmt, out, ex.Verifier.from_target(tgt, "tiny/peaked"))
+    assert ckpt.trained_run_dirs([out], "none") == [out]              # e2e.checkpoints takes an export
+    original, _ = ckpt.load_drafter(run_dir, tgt)
+    loaded, config = ckpt.load_drafter(out, tgt)
+    assert loaded.config.to_dict() | {"extra": {}} == original.config.to_dict() | {"extra": {}}
+    sd, osd = loaded.state_dict(), original.state_dict()
+    assert set(sd) == set(osd) and all(torch.equal(sd[k], osd[k]) for k in sd)
+    row = _setting(out, config, tmp_path)
+    assert row["variant"] == "eagle3" and row["depth"] == 1 and row["scale"] == "small"
+    prompts = [torch.randint(0, 64, (10,), generator=torch.Generator().manual_seed(s)) for s in range(3)]
+    spec = TreeSpec(4, 2, 8)
+    mine, theirs = decode_all(original, tgt, prompts, spec), decode_all(loaded, tgt, prompts, spec)
+    for p, a, b in zip(prompts, mine, theirs):
+        assert b.tokens == greedy_generate(tgt, p, 24).tokens          # lossless
+        assert b.accept_lengths == a.accept_lengths                    # the same drafts accepted, round by round
+    tau = sum(sum(r.accept_lengths) for r in theirs) / sum(len(r.accept_lengths) for r in theirs)
+    assert tau == sum(sum(r.accept_lengths) for r in mine) / sum(len(r.accept_lengths) for r in mine)
+    assert tau > 1.0                                                   # the drafter does draft something
+
+
+def test_round_trip_of_the_eagle31_options(tmp_path, target, verifier):
+    for fmt, kw in (("eagle3", dict(fc_norm=True, norm_output=True)), ("speculators", dict(depth=2, norm_output=True))):
+        drafter = drafter_for(target, **kw)
+        out = tmp_path / fmt
+        ex.export(save_run_dir(tmp_path / f"run-{fmt}", drafter), fmt, out, verifier)
+        loaded, _ = ckpt.load_drafter(out, target)
+        assert (loaded.config.fc_norm, loaded.config.norm_output, loaded.config.depth) == \
+               (drafter.config.fc_norm, drafter.config.norm_output, drafter.config.depth)
+        prompt = torch.randint(0, 64, (9,), generator=torch.Generator().manual_seed(1))
+        a = speculative_generate(target, prompt, 16, DrafterProposer(drafter, target), [3, 2, 6])
+        b = speculative_generate(target, prompt, 16, DrafterProposer(loaded, target), [3, 2, 6])
+        assert a.tokens == b.tokens == greedy_generate(target, prompt, 16).tokens
+        assert a.accept_lengths == b.accept_lengths
+
+
+def test_a_specforge_style_directory_loads_too(tmp_path, target, verifier):
+    """Only what SGLang reads (nested output-of-layer ids, rope_theta/rope_scaling, no kvshot provenance)."""
+    drafter = drafter_for(target)
+    out = tmp_path / "e"
+    ex.export(save_run_dir(tmp_path / "run", drafter), "eagle3", out, verifier)
+    cfg = json.loads((out / "config.json").read_text())
+    for key in ("eagle_aux_hidden_state_layer_ids", "rope_parameters", "kvshot", "norm_before_residual"):
+        cfg.pop(key)
+    (out / "config.json").write_text(json.dumps(cfg))
+    loaded, config = ckpt.load_drafter(out, target)
+    assert config["export"]["feature_layers"] == [2, 4, 5]
+    sd = drafter.state_dict()
+    assert all(torch.equal(v, sd[k]) for k, v in loaded.state_dict().items())
+
+
+def test_loading_an_export_against_other_tapped_layers_is_an_error(tmp_path, target, verifier):
+    out = tmp_path / "e"
+    ex.export(save_run_dir(tmp_path / "run", drafter_for(target)), "eagle3", out, verifier)
+    other = tiny8()
+    other.feature_layers = [1, 4, 5]
+    with pytest.raises(StageError, match=r"taps target hidden_states \[2, 4, 5\].*\[1, 4, 5\]"):
+        ckpt.load_drafter(out, other)
+
+
+# -- the card ----------------------------------------------------------------------------------------------------
+
+def test_card_reports_training_data_acceptance_and_serving(tmp_path, target, verifier):
+    result = {"alpha": [0.5, 0.25, None, None, None, None, None], "acc": [0.5, 0.4, 0.3, 0.2, 0.1, 0.1, 0.05],
+              "mat": 1.9, "retention": 0.1, "n_positions": 321}
+    run = save_run_dir(tmp_path / "runs" / "scale" / "eagle3-small", drafter_for(target), result=result)
+    ex.export(run, "eagle3", tmp_path / "e", verifier)
+    card = (tmp_path / "e" / "README.md").read_text()
+    assert "scale/eagle3-small" in card and "4 conversations" in card and "120 tokens" in card
+    assert "| step accuracy acc_k | 0.500 | 0.400 |" in card and "| chain acceptance α_k | 0.500 | 0.250 | – |" in card
+    assert "mat 1.900" in card and "321 positions" in card
+    assert "vllm serve tiny/llama-verifier" in card and "--speculative-algorithm EAGLE3" in card
+    assert "[2, 4, 5]" in card and "[1, 3, 4]" in card
+    ex.export(save_run_dir(tmp_path / "bare", drafter_for(target)), "speculators", tmp_path / "s", verifier)
+    card = (tmp_path / "s" / "README.md").read_text()
+    assert "Not evaluated" in card and "vllm serve DIR" in card
+
+
+# -- bad input ---------------------------------------------------------------------------------------------------
+
+def _kv_run(tmp: Path, target, variant: str) -> Path:
+    kw = dict(injection="linear") if variant != "eagle3" else {}
+    return save_run_dir(tmp / variant, make_drafter(target, variant=variant, **kw))
+
+
+BAD = {
+    "missing": (lambda tmp, t: tmp / "nope", "eagle3", "does not exist"),
+    "empty": (lambda tmp, t: (tmp / "empty").mkdir() or tmp / "empty", "eagle3", "not a finished run"),
+    "checkpoint only": (lambda tmp, t: (tmp / "half" / "checkpoint").mkdir(parents=True) or tmp / "half", "eagle3",
+                        "has only checkpoint/"),
+    "unfinished": (lambda tmp, t: save_run_dir(tmp / "unf", drafter_for(t), summary={"finished": False}), "eagle3",
+                   "finished: false"),
+    "unknown format": (lambda tmp, t: save_run_dir(tmp / "r", drafter_for(t)), "gguf",
+                       "unknown export format; formats: eagle3, speculators"),
+    "kv_only": (lambda tmp, t: _kv_run(tmp, t, "kv_only"), "eagle3", "variant 'kv_only' reads the target's KV cache"),
+    "hybrid": (lambda tmp, t: _kv_run(tmp, t, "hybrid"), "speculators", "variant 'hybrid' reads the target's KV"),
+    "cross_only": (lambda tmp, t: _kv_run(tmp, t, "cross_only"), "eagle3", "variant 'cross_only'"),
+    "deep eagle3": (lambda tmp, t: save_run_dir(tmp / "d2", drafter_for(t, depth=2)), "eagle3",
+                    "drafter.depth=2 cannot be expressed in format 'eagle3'"),
+    "repeated layers": (lambda tmp, t: save_run_dir(tmp / "rep", drafter_for(t), feature_layers=[2, 4, 4]), "eagle3",
+                        "repeats a layer"),
+    "unsorted layers": (lambda tmp, t: save_run_dir(tmp / "uns", drafter_for(t), feature_layers=[5, 2, 4]), "eagle3",
+                        "not in ascending order"),
+    "embedding layer": (lambda tmp, t: save_run_dir(tmp / "emb", drafter_for(t), feature_layers=[0, 4, 5]),
+                        "speculators", "[0] cannot be expressed"),
+}
+
+
+@pytest.mark.parametrize("case", list(BAD))
+def test_bad_input_is_one_line_and_leaves_no_output(tmp_path, target, verifier, case):
+    make, fmt, needle = BAD[case]
+    run = make(tmp_path, target)
+    out = tmp_path / "out"
+    with pytest.raises(StageError) as err:
+        ex.export(run, fmt, out, verifier)
+    msg = str(err.value)
+    assert needle in msg and "\n" not in msg, msg
+    if case in ("kv_only", "hybrid", "cross_only"):
+        assert "eagle3, speculators" in msg
+    assert not out.exists() and no_leftovers(tmp_path)
+
+
+def test_block_variant_is_named_with_the_formats(tmp_path, target, verifier):
+    run = save_run_dir(tmp_path / "blk", drafter_for(target))
+    cfg = json.loads((run / "config.json").read_text())
+    cfg["drafter"]["variant"] = "block"
+    (run / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(StageError, match="variant 'block' is a block drafter.*formats: eagle3, speculators"):
+        ex.export(run, "speculators", tmp_path / "out", verifier)
+    assert not (tmp_path / "out").exists()
+
+
+def test_an_export_is_not_a_run_to_export_again(tmp_path, target, verifier):
+    ex.export(save_run_dir(tmp_path / "run", drafter_for(target)), "eagle3", tmp_path / "e", verifier)
+    with pytest.raises(StageError, match="already an export"):
+        ex.export(tmp_path / "e", "speculators", tmp_path / "again", verifier)
+
+
+def test_a_verifier_of_another_size_is_an_error(tmp_path, target):
+    run = save_run_dir(tmp_path / "run", drafter_for(target))
+    other = ex.Verifier.from_target(tiny8(hidden_size=64, num_heads=8), "other")
+    with pytest.raises(StageError, match="hidden size 64"):
+        ex.export(run, "eagle3", tmp_path / "out", other)
+    assert not (tmp_path / "out").exists()
+
+
+def test_a_failure_while_writing_leaves_out_untouched(tmp_path, target, verifier, monkeypatch):
+    run = save_run_dir(tmp_path / "run", drafter_for(target))
+    out = tmp_path / "out"
+
+    def broken(*a, **k):
+        raise OSError("disk full")
+
+    monkeypatch.setattr(ex, "_fsync_dir_files", broken)
+    with pytest.raises(OSError):
+        ex.export(run, "eagle3", out, verifier)
+    assert not out.exists() and no_leftovers(tmp_path)
+    monkeypatch.undo()
+    # a previous export stays as it was unless --force; with it, it is replaced whole
+    ex.export(run, "eagle3", out, verifier)
+    before = (out / "config.json").read_text()
+    with pytest.raises(StageError, match="already exists"):
+        ex.export(run, "speculators", out, verifier)
+    assert (out / "config.json").read_text() == before
+    monkeypatch.setattr(ex, "_fsync_dir_files", broken)
+    with pytest.raises(OSError):
+        ex.export(run, "speculators", out, verifier, overwrite=True)
+    assert (out / "config.json").read_text() == before and no_leftovers(tmp_path)
+    monkeypatch.undo()
+    ex.export(run, "speculators", out, verifier, overwrite=True)
+    assert ex.export_format(out) == "speculators" and no_leftovers(tmp_path)
+
+
+# -- the command -------------------------------------------------------------------------------------------------
+
+def _cli(*args: str):
+    from typer.testing import CliRunner
+
+    from pipeline.cli import app
+
+    return CliRunner().invoke(app, list(args))
+
+
+def test_cli_exports_a_run_whose_target_is_a_local_model(tmp_path, target):
+    model_dir = tmp_path / "tiny-model"
+    target.model.save_pretrained(model_dir)
+    run = save_run_dir(tmp_path / "run", drafter_for(target))
+    cfg = json.loads((run / "config.json").read_text())
+    cfg["params"]["target"]["source"] = str(model_dir)
+    (run / "config.json").write_text(json.dumps(cfg))
+    res = _cli("export", str(run), "--format", "speculators", "--out", str(tmp_path / "out"), "--root", str(tmp_path))
+    assert res.exit_code == 0, res.output
+    spec = json.loads((tmp_path / "out" / "config.json").read_text())["speculators_config"]
+    assert spec["verifier"]["name_or_path"] == str(model_dir)
+    assert spec["verifier"]["architectures"] == ["LlamaForCausalLM"]
+    res = _cli("export", str(run), "--format", "eagle3", "--out", str(tmp_path / "out2"), "--verifier", "org/model")
+    assert res.exit_code == 0, res.output
+    assert "vllm serve org/model" in (tmp_path / "out2" / "README.md").read_text()
+
+
+@pytest.mark.parametrize("args, needle", [
+    (("--format", "onnx"), "formats: eagle3, speculators"),
+    (("--format", "eagle3", "--dtype", "int4"), "--dtype 'int4'"),
+    (("--format", "eagle3"), "already exists and is not empty"),
+    (("--format", "speculators", "--verifier", "x"), "not a finished run"),
+])
+def test_cli_bad_input_is_one_line_and_exit_2(tmp_path, target, args, needle):
+    run = save_run_dir(tmp_path / "run", drafter_for(target))
+    out = tmp_path / "out"
+    if "already exists" in needle:
+        out.mkdir()
+        (out / "keep.txt").write_text("mine")
+    if "not a finished" in needle:
+        (run / "model.safetensors").unlink()
+    res = _cli("export", str(run), *args, "--out", str(out))
+    assert res.exit_code == 2
+    lines = [ln for ln in res.output.splitlines() if ln.strip()]
+    assert len(lines) == 1 and needle in lines[0], res.output
+    if "already exists" in needle:
+        assert [p.name for p in out.iterdir()] == ["keep.txt"] and (out / "keep.txt").read_text() == "mine"
+    else:
+        assert not out.exists()
+    assert no_leftovers(tmp_path)
+
+
+# -- the speculators package itself (slow: a scratch environment) -------------------------------------------------
+
+SPEC_ENV_VAR = "KVSHOT_SPECULATORS_PYTHON"
+SPEC_SCRIPT = r'''
+import json, sys
+import torch
+from safetensors.torch import load_file
+from speculators.models.eagle3 import Eagle3SpeculatorConfig
+from speculators.models.eagle3.core import Eagle3DraftModel
+
+export_dir, inputs, out = sys.argv[1], sys.argv[2], sys.argv[3]
+config = Eagle3SpeculatorConfig.from_pretrained(export_dir)
+config.transformer_layer_config._attn_implementation = "eager"     # dense masks on CPU (flex attention needs compile)
+model = Eagle3DraftModel.from_pretrained(export_dir, config=config).float().eval()
+x = load_file(inputs)
+with torch.no_grad():
+    model.embed_tokens.weight.copy_(x["embed"])                     # the engines share the verifier's embedding
+captured = []
+model.lm_head.register_forward_hook(lambda m, i, o: captured.append(o.detach()))
+with torch.no_grad():
+    tokens = model(hidden_states=x["features"], input_ids=x["input_ids"], document_ids=torch.zeros_like(x["input_ids"]),
+                   ttt_steps=int(x["steps"]))
+from safetensors.torch import save_file
+save_file({"logits": torch.stack([c[0] for c in captured]), "d2t": model.d2t.clone(),
+           "tokens": torch.stack([t[0] for t in tokens])}, out)
+print(json.dumps({"aux": model.config.eagle_aux_hidden_state_layer_ids, "fc_norm": model.fc_norm is not None,
+                  "norm_output": model.config.norm_output, "layers": len(model.layers)}))
+'''
+
+
+def speculators_python(tmp_root: Path) -> str:
+    """A python with the speculators package: $KVSHOT_SPECULATORS_PYTHON, else a scratch venv built once (pip
+    from the package registry, torch pinned to the one running here so no other build is pulled); skips the
+    test when neither can be had."""
+    given = os.environ.get(SPEC_ENV_VAR)
+    if given:
+        if not Path(given).is_file():
+            pytest.skip(f"{SPEC_ENV_VAR}={given}: no such interpreter")
+        return given
+    env = ROOT / "scratch" / "speculators-env"
+    py = env / "bin" / "python"
+    if py.is_file() and subprocess.run([str(py), "-c", "import speculators"], capture_output=True).returncode == 0:
+        return str(py)
+    torch_pin = f"torch=={torch.__version__.split('+')[0]}"
+    try:
+        subprocess.run([sys.executable, "-m", "venv", "--clear", str(env)], check=True, capture_output=True,
+                       timeout=120)
+        subprocess.run([str(py), "-m", "pip", "install", "-q", "speculators", torch_pin], check=True,
+                       capture_output=True, timeout=900)
+        # the registry's torchvision/torchaudio wheels (pulled in for speculators' multimodal data paths) are
+        # built against another torch than the CPU one pinned here and break `import transformers`; the
+        # EAGLE-3 config and model classes need neither
+        subprocess.run([str(py), "-m", "pip", "uninstall", "-y", "-q", "torchvision", "torchaudio"],
+                       capture_output=True, timeout=120)
+    except (subprocess.SubprocessError, OSError) as exc:
+        shutil.rmtree(env, ignore_errors=True)
+        pytest.skip(f"speculators cannot be installed in a scratch environment ({type(exc).__name__}); "
+                    f"set {SPEC_ENV_VAR} to a python that has it")
+    return str(py)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("kw", [{}, dict(depth=2, fc_norm=True, norm_output=True)], ids=["plain", "eagle31-d2"])
+def test_speculators_package_loads_the_export_and_agrees(tmp_path, target, kw):
+    """vllm-project/speculators' own Eagle3SpeculatorConfig / Eagle3DraftModel.from_pretrained read the export;
+    its teacher-forced TTT forward gives kvshot's logits (fp32) and the same top-1 at every position and step."""
+    from safetensors.torch import save_file
+
+    python = speculators_python(tmp_path)
+    model_dir = tmp_path / "verifier"
+    target.model.save_pretrained(model_dir)          # speculators reads the verifier's config (no hub access)
+    drafter = drafter_for(target, seed=7, **kw)
+    out = tmp_path / "spec"
+    ex.export(save_run_dir(tmp_path / "run", drafter), "speculators", out,
+              ex.Verifier.from_target(target, str(model_dir)))
+    T, K = 12, 3
+    seq = torch.randint(0, 64, (T + 1,), generator=torch.Generator().manual_seed(11))
+    cap = target.capture(seq[None])
+    feats = torch.cat(cap.features, -1)[:, :T].float()
+    # speculators pairs the features of t with the token t+1 (and feeds t+1+k at step k, teacher-forced)
+    save_file({"features": feats.contiguous(), "input_ids": seq[None, 1:].contiguous(), "steps": torch.tensor(K),
+               "embed": target.embed_tokens.weight.detach().float().contiguous()}, str(tmp_path / "in.safetensors"))
+    res = subprocess.run([python, "-c", SPEC_SCRIPT, str(out), str(tmp_path / "in.safetensors"),
+                          str(tmp_path / "o.safetensors")], capture_output=True, text=True, timeout=600,
+                         env={k: v for k, v in os.environ.items() if k != "PYTHONPATH"} | {"HF_HUB_OFFLINE": "1"})
+    assert res.returncode == 0, res.stderr[-3000:]
+    info = json.loads(res.stdout.strip().splitlines()[-1])
+    assert info["aux"] == [2, 4, 5] and info["layers"] == drafter.config.depth
+    assert info["fc_norm"] == drafter.config.fc_norm and info["norm_output"] == drafter.config.norm_output
+    got = load_file(str(tmp_path / "o.safetensors"))
+    assert torch.equal(torch.arange(40) + got["d2t"], drafter.d2t)
+    mine = naive_logits(drafter, seq[None], torch.cat(cap.features, -1), None, K)[:, 0]      # [K, T+1, V_draft]
+    for k in range(K):
+        n = T - k                                     # positions whose token t+1+k exists in the inputs
+        a, b = got["logits"][k, :n], mine[k, :n]
+        assert torch.equal(a.argmax(-1), b.argmax(-1)), k
+        diff = (a - b).abs().max().item()
+        MAX_DIFFS[f"speculators-pkg-{kw}-k{k}"] = diff
+        print(f"max |logit diff| speculators package {kw} step {k}: {diff:.2e}")
+        assert diff < ATOL, (k, diff)
