@@ -168,12 +168,38 @@ def _print_e2e(rows: list[dict]) -> None:
 
 
 def _e2e_run_dirs(cfg: Config, paths) -> list[Path]:
-    """The drafters of every study marked e2e, plus any checkpoints named in e2e.checkpoints."""
-    dirs = []
+    """The drafters of every study marked e2e (those matching its filter, when it has one), each trained run once
+    (a run adopted by several studies has one fingerprint), plus any checkpoints named in e2e.checkpoints."""
+    import json
+
+    from pipeline.config import resolve_key
+
+    def matches(run: Path, wanted: dict) -> bool:
+        try:
+            params = json.loads((run / "config.json").read_text()).get("params", {})
+        except (OSError, json.JSONDecodeError):
+            return False
+        for key, values in wanted.items():
+            section, _, name = resolve_key(key).partition(".")
+            allowed = values if isinstance(values, list) else [values]
+            if params.get(section, {}).get(name) not in allowed:
+                return False
+        return True
+
+    dirs, seen = [], set()
     for name, study in cfg.studies.items():
-        if study.e2e:
-            base = paths.root / "runs" / name
-            dirs += sorted(p for p in base.glob("*") if (p / "model.safetensors").is_file()) if base.is_dir() else []
+        if not study.e2e:
+            continue
+        base = paths.root / "runs" / name
+        for run in sorted(base.glob("*")) if base.is_dir() else []:
+            if not (run / "model.safetensors").is_file():
+                continue
+            if isinstance(study.e2e, dict) and not matches(run, study.e2e):
+                continue
+            fp = (run / "fingerprint").read_text().strip() if (run / "fingerprint").is_file() else str(run)
+            if fp not in seen:
+                seen.add(fp)
+                dirs.append(run)
     return dirs + [Path(p) for p in cfg.e2e.checkpoints]
 
 

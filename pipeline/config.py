@@ -35,7 +35,9 @@ class StudyParams(Section):
     grid: dict[str, list[Any]] = {}
     include: list[dict[str, Any]] = []
     seeds: list[int] = [0]
-    e2e: bool = False                     # decode end to end with this study's drafters
+    # decode end to end with this study's drafters: all of them (true), or those whose config matches every
+    # {key: [values]} of a mapping (e.g. {train.scale: [large]})
+    e2e: bool | dict[str, list[Any]] = False
 
 
 class TrackingParams(Section):

@@ -103,7 +103,8 @@ def _relative(path: Path, root: Path) -> str:
 def _setting(run_dir: Path, config: dict, root: Path) -> dict[str, Any]:
     d, t, dr = (config.get("params", {}).get("drafter", {}), config.get("params", {}).get("train", {}),
                 config.get("drafter", {}))
-    return {"trial": Path(run_dir).name, "variant": dr.get("variant"), "depth": dr.get("depth"),
+    return {"trial": Path(run_dir).name, "study": Path(run_dir).parent.name, "variant": dr.get("variant"),
+            "depth": dr.get("depth"),
             "injection": d.get("injection", dr.get("injection")), "rope_fix": d.get("rope_fix", dr.get("rope_fix")),
             "init": d.get("init"), "scale": t.get("scale"), "seed": t.get("seed"), "run_dir": _relative(run_dir, root),
             **{k: True for k in ("fc_norm", "norm_output", "no_target") if dr.get(k)}}

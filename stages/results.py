@@ -282,14 +282,17 @@ def _fastest(rows: list[dict]) -> list[dict]:
     return by_tree[best] if best is not None else []
 
 
-def e2e_groups(rows: list[dict], trial_settings: dict[str, dict], resampler: Resampler) -> list[E2EGroup]:
-    """Group e2e rows by setting; a row named by a step-wise trial takes that trial's setting fields."""
+def e2e_groups(rows: list[dict], trial_settings: dict[tuple, dict], resampler: Resampler) -> list[E2EGroup]:
+    """Group e2e rows by setting; a row named by a step-wise trial (its study's, else the scale study's) takes
+    that trial's setting fields."""
     groups: dict[tuple, list[dict]] = {}
     for row in rows:
         if row.get("status", "ok") != "ok" or row.get("tau") is None:
             continue
         fields = {k: row.get(k, d) if row.get(k) is not None else d for k, d in SETTING_DEFAULTS.items()}
-        fields.update({k: v for k, v in trial_settings.get(str(row.get("trial")), {}).items() if v is not None})
+        trial = str(row.get("trial"))
+        known = trial_settings.get((str(row.get("study")), trial)) or trial_settings.get(("scale", trial)) or {}
+        fields.update({k: v for k, v in known.items() if v is not None})
         groups.setdefault(tuple(fields[k] for k in SETTING_KEYS), []).append(row)
     out = []
     for key, group in groups.items():
@@ -345,11 +348,9 @@ def collect(context: dict, paths: Paths, draws: int = 2000, level: float = 0.95)
     e2e = None
     if e2e_rows is not None:
         inputs.append((str(paths.e2e_metrics.relative_to(paths.root)), _sha(paths.e2e_metrics)))
-        # an e2e row names its drafter by trial; the scale study's trials carry the full setting
-        trial_settings: dict[str, dict] = {}
-        for study in ["scale", *sorted({str(r["study"]) for r in e2e_rows if r.get("study")})]:
-            for r in raw.get(study) or []:
-                trial_settings.setdefault(str(r.get("trial")), {k: r.get(k) for k in SETTING_KEYS})
+        # an e2e row names its drafter by study and trial, whose step-wise row carries the full setting
+        trial_settings = {(study, str(r.get("trial"))): {k: r.get(k) for k in SETTING_KEYS}
+                          for study, rows in raw.items() for r in rows or []}
         e2e = e2e_groups(e2e_rows, trial_settings, resampler)
     return Results(names, configured, raw, studies, e2e_rows, e2e, inputs, level)
 

@@ -59,3 +59,30 @@ def test_paper_profile_fails_fast_without_a_gpu():
         pytest.skip("this machine has a GPU")
     out = run("prepare", "--profile", "paper")
     assert out.returncode == 2 and "needs a CUDA GPU" in out.stderr
+
+
+def test_e2e_decodes_the_marked_studies_filtered_and_each_run_once(tmp_path):
+    """A study's e2e filter picks its trials by config; a run adopted by another e2e study is decoded once."""
+    import json
+
+    from pipeline.cli import _e2e_run_dirs
+    from pipeline.config import load_config, with_values
+    from stages.common import Paths
+
+    def run(study, name, scale, fp):
+        d = tmp_path / "runs" / study / name
+        d.mkdir(parents=True)
+        (d / "model.safetensors").write_bytes(b"x")
+        (d / "config.json").write_text(json.dumps({"params": {"train": {"scale": scale},
+                                                              "drafter": {"variant": "eagle3"}}}))
+        (d / "fingerprint").write_text(fp + "\n")
+        return d
+
+    small, large = run("scale", "eagle3-small", "small", "a"), run("scale", "eagle3-large", "large", "b")
+    run("block", "eagle3", "large", "b")                       # adopted: the same fingerprint
+    own = run("block", "block-kv", "large", "c")
+    cfg = with_values(load_config("smoke"), {"studies": {"scale": {"e2e": {"train.scale": ["large"]}},
+                                                         "block": {"e2e": True}, "depth": {}}})
+    assert _e2e_run_dirs(cfg, Paths(tmp_path)) == [large, own]
+    cfg = with_values(cfg, {"studies": {"scale": {"e2e": True}}})
+    assert _e2e_run_dirs(cfg, Paths(tmp_path)) == [large, small]
