@@ -23,12 +23,13 @@ masked positions' input), `fc`/`fc_norms`/`hidden_norm` (hidden, both), `layers.
 as every drafter (`models.drafter.DraftModel`).
 
 Training (`block_unroll`) runs many anchors per sequence in one pass and never builds an (anchors*B)^2 mask or
-score matrix: for block offset j the queries of all anchors form one [batch, H, T, hd] set whose context part is
-exactly causal over the T context keys (query row t sees keys 0..t), and the block's own B keys of anchor t are
-a per-query diag block [batch, H, T, B, hd] shared by all j -- the [causal prefix(es), diag chain] shape that
-`models.layers.attend` fuses on CPU (flash prefix + log-sum-exp merge, forward and backward). One attend call per
-j keeps the memory saved for backward linear in B. With an anchor subset, projections, MLP and head run on the
-anchor rows only; queries and block keys are scattered into the T rows for the attention call alone.
+score matrix: the queries form T rows of B (row t = anchor t's block, [batch, H, T, B, hd]); for block offset j
+the queries of all anchors are one [batch, H, T, hd] set whose context part is exactly causal over the T context
+keys (query row t sees keys 0..t), and row t's own B keys are shared by its B queries
+(`models.layers.attend_block`). On CPU that is fused: the context through PyTorch's flash kernel once per j, the
+block's own B x B scores per anchor as one batched matmul, merged by log-sum-exp, forward and backward; what it
+keeps for backward is linear in B. With an anchor subset, projections, MLP and head run on the anchor rows only;
+queries and block keys are scattered into the T rows for the attention call alone.
 Loss: at block position k+1 of anchor t, the soft cross-entropy against the target's next-token distribution on
 the draft vocabulary for token t+2+k (the target's logits at t+1+k), scored exactly where `ttt_unroll` scores
 step k at t (the token exists, is loss-masked and not padding, the target's argmax is in the draft vocabulary) and
@@ -43,7 +44,7 @@ import torch
 from torch import nn
 
 from models.drafter import DraftModel, DrafterConfig, Injection, _compute_dtype
-from models.layers import MLP, KeyBlock, RMSNorm, attend, expand_heads, head_map
+from models.layers import MLP, KeyBlock, RMSNorm, attend, attend_block, expand_heads, head_map
 from models.metrics import step_counts
 from models.rope import apply_rope
 from models.ttt import (TTTOutput, _shift, soft_cross_entropy, target_distribution,
@@ -206,7 +207,7 @@ class _DenseContext:
 
 class _UnrollContext:
     """Key blocks for the parallel training pass: per source a causal T x T block (or the padding-aware mask),
-    plus the block's own B keys as a per-query diag block; one `attend` call per block offset j."""
+    plus the block's own B keys per anchor row (`attend_block`)."""
 
     def __init__(self, drafter: BlockDrafter, batch: int, T: int, rows: torch.Tensor | None,
                  hidden: torch.Tensor | None, target_kv, position_ids: torch.Tensor, mask: torch.Tensor | None):
@@ -231,14 +232,10 @@ class _UnrollContext:
         b, T = self.batch, self.T
         blocks = [KeyBlock(kk, vv, causal=True) if self.mask is None else KeyBlock(kk, vv, self.mask)
                   for kk, vv in attn.expand(attn.context(self.hidden, self.target_kv, self.rope_h, self.rope_kv))]
-        # [R, H, n, hd] -> [b, T, H, n, hd] (all anchors: a view); the own keys as [b, H, T, n, hd] diag keys
-        qf = self._to_rows(q).view(b, T, H, n, hd)
-        kc = self._to_rows(expand_heads(k, attn.hmap)).view(b, T, H, n, hd).transpose(1, 2)
-        vc = self._to_rows(expand_heads(v, attn.hmap)).view(b, T, H, n, hd).transpose(1, 2)
-        chain = KeyBlock(kc, vc, diag=True)
-        outs = [attend(qf[:, :, :, j].transpose(1, 2), blocks + [chain]).transpose(1, 2) for j in range(n)]
-        o = torch.stack(outs, 2).reshape(b * T, n, H * hd)                     # [b*T, n, H*hd]
-        return self._from_rows(o)
+        # [R, H, n, hd] -> [b, H, T, n, hd]: T rows of n queries (all anchors: a view), each row's own n keys
+        rows = lambda x: self._to_rows(x).view(b, T, H, n, hd).transpose(1, 2)   # noqa: E731
+        o = attend_block(rows(q), blocks, rows(expand_heads(k, attn.hmap)), rows(expand_heads(v, attn.hmap)))
+        return self._from_rows(o.permute(0, 2, 3, 1, 4).reshape(b * T, n, H * hd))
 
 
 # -- training -------------------------------------------------------------------------------------------------

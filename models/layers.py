@@ -13,8 +13,12 @@ blocks with one joint softmax:
 The blocks share one softmax, exactly the softmax over the concatenated keys; scores and the softmax run in fp32
 even under bf16 autocast. The TTT unroll's pair (causal prefix, diag chain) has a fused path on CPU
 (`_CausalChainAttention`): the prefix runs in PyTorch's flash kernel, which skips the masked half and never
-materialises the [n, n] scores, and the chain is merged in by log-sum-exp. The same path takes several causal
-prefixes before the chain (the block drafter's `both` context: target features and target KV as two key sets).
+materialises the [n, n] scores, and the chain is merged in by log-sum-exp.
+
+`attend_block` is the block drafters' variant: n rows of J queries each (an anchor's block), every query of a row
+sees the row's dense blocks (the context) and all J keys of its own row (bidirectional within the block). On CPU
+with causal context blocks it is fused too (`_CausalBlockAttention`): the context through the flash kernel once
+per block offset j, the row's own J x J scores as one batched matmul, merged by log-sum-exp.
 """
 from __future__ import annotations
 
@@ -107,12 +111,10 @@ def attend(q: torch.Tensor, blocks: list[KeyBlock], scale: float | None = None) 
         masks = [b.dense_mask() for b in blocks]
         mask = None if all(m is None for m in masks) else _union_mask(q, blocks, masks)
         return backend_attend(q, k, v, mask=mask, scale=scale)
-    if (len(blocks) >= 2 and all(b.causal and not b.diag for b in blocks[:-1]) and blocks[-1].diag
-            and q.device.type == "cpu" and all(q.shape[-2] == b.k.shape[-2] for b in blocks[:-1])):
+    if (len(blocks) == 2 and blocks[0].causal and blocks[1].diag and q.device.type == "cpu"
+            and q.shape[-2] == blocks[0].k.shape[-2]):
         dt = q.dtype
-        more = [t.to(dt) for b in blocks[1:-1] for t in (b.k, b.v)]
-        return _CausalChainAttention.apply(q, blocks[0].k.to(dt), blocks[0].v.to(dt), blocks[-1].k, blocks[-1].v,
-                                           scale, *more)
+        return _CausalChainAttention.apply(q, blocks[0].k.to(dt), blocks[0].v.to(dt), blocks[1].k, blocks[1].v, scale)
     q = q * scale
     scores = []
     for b in blocks:
@@ -144,51 +146,117 @@ def _union_mask(q: torch.Tensor, blocks: list[KeyBlock], masks: list[torch.Tenso
 
 
 class _CausalChainAttention(torch.autograd.Function):
-    """attend() for [causal prefix of n keys, (more causal prefixes,) diag chain of J keys per query] on CPU, fused.
+    """attend() for [causal prefix of n keys, diag chain of J keys per query] on CPU, fused.
 
-    Forward: each prefix through PyTorch's CPU flash kernel (output and log-sum-exp), the chain as O(n*J) dot
+    Forward: the prefix through PyTorch's CPU flash kernel (output and log-sum-exp), the chain as O(n*J) dot
     products, merged by log-sum-exp. Backward: the same flash kernel's backward, handed the merged output and
-    log-sum-exp, gives each prefix's gradients under the joint softmax exactly (its probabilities are
+    log-sum-exp, gives the prefix's gradients under the joint softmax exactly (its probabilities are
     exp(s - lse) and its rowsum(dO * O) term is the joint one), and the chain's gradients are written out.
-    Nothing of size n x n is kept between forward and backward. `more` holds the extra prefixes' (k, v) pairs,
-    flat; with none, the operations are exactly those of the one-prefix path the TTT unroll has always used.
+    Nothing of size n x n is kept between forward and backward.
     """
 
     @staticmethod
-    def forward(ctx, q, k, v, kc, vc, scale: float, *more):
-        flash = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
-        acc = torch.promote_types(q.dtype, torch.float32)   # fp32 for bf16/fp32 inputs; float64 stays float64
-        o1, lse1 = flash(q, k, v, 0.0, True, scale=scale)
-        extra = [flash(q, more[i], more[i + 1], 0.0, True, scale=scale) for i in range(0, len(more), 2)]
-        s2 = (q.to(acc).unsqueeze(-2) * kc.to(acc)).sum(-1).mul_(scale)          # [B, H, n, J]
+    def forward(ctx, q, k, v, kc, vc, scale: float):
+        o1, lse1 = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, 0.0, True, scale=scale)
+        s2 = (q.float().unsqueeze(-2) * kc.float()).sum(-1).mul_(scale)          # [B, H, n, J]
         lse = torch.logaddexp(lse1, torch.logsumexp(s2, -1))
-        for _, lse_i in extra:
-            lse = torch.logaddexp(lse, lse_i)
         p2 = torch.exp(s2 - lse.unsqueeze(-1))
-        out = torch.exp(lse1 - lse).unsqueeze(-1) * o1.to(acc) + (p2.unsqueeze(-1) * vc.to(acc)).sum(-2)
-        for o_i, lse_i in extra:
-            out = out + torch.exp(lse_i - lse).unsqueeze(-1) * o_i.to(acc)
+        out = torch.exp(lse1 - lse).unsqueeze(-1) * o1.float() + (p2.unsqueeze(-1) * vc.float()).sum(-2)
         out = out.to(q.dtype)
-        ctx.save_for_backward(q, k, v, kc, vc, out, lse, p2, *more)
+        ctx.save_for_backward(q, k, v, kc, vc, out, lse, p2)
         ctx.scale = scale
         return out
 
     @staticmethod
     def backward(ctx, g):
-        q, k, v, kc, vc, out, lse, p2, *more = ctx.saved_tensors
+        q, k, v, kc, vc, out, lse, p2 = ctx.saved_tensors
+        g = g.to(q.dtype).contiguous()
+        dq, dk, dv = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
+            g, q, k, v, out, lse, 0.0, True, scale=ctx.scale)
+        gf = g.float()
+        D = (gf * out.float()).sum(-1, keepdim=True)                             # rowsum(dO * O)
+        ds2 = p2 * ((gf.unsqueeze(-2) * vc.float()).sum(-1) - D)                 # [B, H, n, J]
+        dq = dq.float() + ctx.scale * (ds2.unsqueeze(-1) * kc.float()).sum(-2)
+        dkc = (ctx.scale * ds2).unsqueeze(-1) * q.float().unsqueeze(-2)
+        dvc = p2.unsqueeze(-1) * gf.unsqueeze(-2)
+        return dq.to(q.dtype), dk, dv, dkc.to(kc.dtype), dvc.to(vc.dtype), None
+
+
+def attend_block(q: torch.Tensor, blocks: list[KeyBlock], k_own: torch.Tensor, v_own: torch.Tensor,
+                 scale: float | None = None) -> torch.Tensor:
+    """Joint-softmax attention of n rows of J queries, q `[B, H, n, J, hd]`: each query sees the dense `blocks`
+    (as a query set of n rows: causal = row i sees keys 0..i) and all J keys of its own row, k_own/v_own
+    `[B, H, n, J, hd]`. Returns `[B, H, n, J, hd]`.
+
+    CPU with causal blocks only: fused (`_CausalBlockAttention`). Elsewhere (other devices, masked blocks): one
+    `attend` call per offset j with the row's keys as a diag block -- the generic path, nothing of size
+    (n*J)^2 either way.
+    """
+    scale = q.shape[-1] ** -0.5 if scale is None else scale
+    n = q.shape[2]
+    if (blocks and all(b.causal and not b.diag for b in blocks) and q.device.type == "cpu"
+            and all(b.k.shape[-2] == n for b in blocks)):
+        dt = q.dtype
+        kv = [t.to(dt) for b in blocks for t in (b.k, b.v)]
+        return _CausalBlockAttention.apply(q, k_own.to(dt), v_own.to(dt), scale, *kv)
+    own = KeyBlock(k_own, v_own, diag=True)
+    return torch.stack([attend(q[:, :, :, j], blocks + [own], scale) for j in range(q.shape[3])], 3)
+
+
+class _CausalBlockAttention(torch.autograd.Function):
+    """attend_block() on CPU for causal context blocks (each [B, H, n, hd], flat in `kv` as k, v, k, v, ...).
+
+    Forward: per context block and offset j, the flash kernel over the n context keys (output and log-sum-exp);
+    the rows' own scores s = q k_own^T as one batched [J, J] matmul per row; all merged by log-sum-exp. Backward:
+    each flash backward, handed the merged output and log-sum-exp of offset j, gives that block's gradients under
+    the joint softmax (as in `_CausalChainAttention`); the own part is written out, its probabilities recomputed
+    from q and k_own. Kept for backward: q, k_own, v_own, the output and the log-sum-exp -- linear in J.
+    """
+
+    @staticmethod
+    def forward(ctx, q, kc, vc, scale: float, *kv):
+        flash = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
+        acc = torch.promote_types(q.dtype, torch.float32)   # fp32 for bf16/fp32 inputs; float64 stays float64
+        J = q.shape[3]
+        parts = []
+        for i in range(0, len(kv), 2):
+            res = [flash(q[:, :, :, j], kv[i], kv[i + 1], 0.0, True, scale=scale) for j in range(J)]
+            parts.append((torch.stack([o for o, _ in res], 3), torch.stack([l for _, l in res], 3)))
+        s = (q.to(acc) @ kc.to(acc).transpose(-1, -2)).mul_(scale)               # [B, H, n, J, J]
+        lse = torch.logsumexp(s, -1)                                              # [B, H, n, J]
+        for _, lse_i in parts:
+            lse = torch.logaddexp(lse, lse_i)
+        out = torch.exp(s - lse.unsqueeze(-1)) @ vc.to(acc)
+        for o_i, lse_i in parts:
+            out = out + torch.exp(lse_i - lse).unsqueeze(-1) * o_i.to(acc)
+        out = out.to(q.dtype)
+        ctx.save_for_backward(q, kc, vc, out, lse, *kv)
+        ctx.scale = scale
+        return out
+
+    @staticmethod
+    def backward(ctx, g):
+        q, kc, vc, out, lse, *kv = ctx.saved_tensors
         flash_bwd = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward
         acc = torch.promote_types(q.dtype, torch.float32)
-        g = g.to(q.dtype).contiguous()
-        dq, dk, dv = flash_bwd(g, q, k, v, out, lse, 0.0, True, scale=ctx.scale)
-        extra = [flash_bwd(g, q, more[i], more[i + 1], out, lse, 0.0, True, scale=ctx.scale)
-                 for i in range(0, len(more), 2)]
+        scale, J = ctx.scale, q.shape[3]
+        g = g.to(q.dtype)
         gf = g.to(acc)
+        p = torch.exp((q.to(acc) @ kc.to(acc).transpose(-1, -2)).mul_(scale) - lse.unsqueeze(-1))
         D = (gf * out.to(acc)).sum(-1, keepdim=True)                             # rowsum(dO * O)
-        ds2 = p2 * ((gf.unsqueeze(-2) * vc.to(acc)).sum(-1) - D)                 # [B, H, n, J]
-        dq = dq.to(acc) + ctx.scale * (ds2.unsqueeze(-1) * kc.to(acc)).sum(-2)
-        for dq_i, _, _ in extra:
-            dq = dq + dq_i.to(acc)
-        dkc = (ctx.scale * ds2).unsqueeze(-1) * q.to(acc).unsqueeze(-2)
-        dvc = p2.unsqueeze(-1) * gf.unsqueeze(-2)
-        grads_more = [t for _, dk_i, dv_i in extra for t in (dk_i, dv_i)]
-        return (dq.to(q.dtype), dk, dv, dkc.to(kc.dtype), dvc.to(vc.dtype), None, *grads_more)
+        ds = p * (gf @ vc.to(acc).transpose(-1, -2) - D)                         # [B, H, n, J, J]
+        dq = scale * (ds @ kc.to(acc))
+        dkc = scale * (ds.transpose(-1, -2) @ q.to(acc))
+        dvc = p.transpose(-1, -2) @ gf
+        grads = []
+        for i in range(0, len(kv), 2):
+            dk = dv = None
+            for j in range(J):
+                dq_j, dk_j, dv_j = flash_bwd(g[:, :, :, j].contiguous(), q[:, :, :, j], kv[i], kv[i + 1],
+                                             out[:, :, :, j].contiguous(), lse[:, :, :, j].contiguous(), 0.0, True,
+                                             scale=scale)
+                dq[:, :, :, j] += dq_j.to(acc)
+                dk = dk_j.to(acc) if dk is None else dk + dk_j.to(acc)    # summed in fp32 over the J offsets
+                dv = dv_j.to(acc) if dv is None else dv + dv_j.to(acc)
+            grads += [dk.to(kv[i].dtype), dv.to(kv[i + 1].dtype)]
+        return (dq.to(q.dtype), dkc.to(kc.dtype), dvc.to(vc.dtype), None, *grads)

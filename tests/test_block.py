@@ -163,51 +163,57 @@ def test_target_hidden_path_and_scoring_rule():
 
 # -- the fused attention -------------------------------------------------------------------------------------------
 
-@pytest.mark.parametrize("prefixes", [1, 2, 3])
-def test_fused_attention_gradcheck_float64(prefixes):
-    """The CPU fused path ([causal prefixes..., diag chain]) in float64: autograd.gradcheck, and equal to the
-    plain masked joint softmax."""
-    g = torch.Generator().manual_seed(0)
-    B, H, n, J, hd = 1, 2, 6, 3, 4
+def _block_leaves(dtype, prefixes, B=1, H=2, n=6, J=3, hd=4, seed=0):
+    g = torch.Generator().manual_seed(seed)
 
     def leaf(*shape):
-        return torch.randn(*shape, generator=g, dtype=torch.float64).requires_grad_()
+        return torch.randn(*shape, generator=g, dtype=torch.float64).to(dtype).requires_grad_()
 
-    q, kc, vc = leaf(B, H, n, hd), leaf(B, H, n, J, hd), leaf(B, H, n, J, hd)
-    pre = [leaf(B, H, n, hd) for _ in range(2 * prefixes)]
+    return leaf(B, H, n, J, hd), leaf(B, H, n, J, hd), leaf(B, H, n, J, hd), [leaf(B, H, n, hd) for _ in range(2 * prefixes)]
+
+
+def _fused_and_plain(n):
     tril = torch.ones(n, n, dtype=torch.bool).tril()
 
     def fused(q, kc, vc, *pre):
         blocks = [layers.KeyBlock(pre[i], pre[i + 1], causal=True) for i in range(0, len(pre), 2)]
-        return layers.attend(q, blocks + [layers.KeyBlock(kc, vc, diag=True)])
+        return layers.attend_block(q, blocks, kc, vc)
 
-    def plain(q, kc, vc, *pre):
+    def plain(q, kc, vc, *pre):        # explicit masks: one generic attend call per block offset
         blocks = [layers.KeyBlock(pre[i], pre[i + 1], tril) for i in range(0, len(pre), 2)]
-        return layers.attend(q, blocks + [layers.KeyBlock(kc, vc, diag=True)])
+        return layers.attend_block(q, blocks, kc, vc)
 
+    return fused, plain
+
+
+@pytest.mark.parametrize("prefixes", [1, 2])
+def test_fused_block_attention_gradcheck_float64(prefixes):
+    """The CPU fused block attention (causal context blocks + each row's own J keys) in float64:
+    autograd.gradcheck, and equal to the generic masked path and to a dense softmax over the flattened keys."""
+    q, kc, vc, pre = _block_leaves(torch.float64, prefixes)
+    fused, plain = _fused_and_plain(q.shape[2])
     assert torch.autograd.gradcheck(fused, (q, kc, vc, *pre))
+    out = fused(q, kc, vc, *pre)
     # the generic path computes its scores in fp32 (`.float()`), hence the fp32 tolerance
-    torch.testing.assert_close(fused(q, kc, vc, *pre), plain(q, kc, vc, *pre), atol=1e-6, rtol=1e-5)
+    torch.testing.assert_close(out, plain(q, kc, vc, *pre), atol=1e-6, rtol=1e-5)
+    B, H, n, J, hd = q.shape
+    for i in range(n):                 # row i's queries over context keys 0..i and its own J keys
+        keys = torch.cat([pre[p][:, :, :i + 1] for p in range(0, len(pre), 2)] + [kc[:, :, i]], 2)
+        vals = torch.cat([pre[p][:, :, :i + 1] for p in range(1, len(pre), 2)] + [vc[:, :, i]], 2)
+        ref = torch.softmax(q[:, :, i] @ keys.transpose(-1, -2) * hd ** -0.5, -1) @ vals
+        torch.testing.assert_close(out[:, :, i], ref)
 
 
-def test_fused_attention_bf16_two_prefixes_equals_joint_softmax():
-    g = torch.Generator().manual_seed(0)
-    B, H, n, J, hd = 2, 3, 23, 8, 16
-
-    def leaf(*shape):
-        return torch.randn(*shape, generator=g).to(torch.bfloat16).requires_grad_()
-
-    q, k1, v1, k2, v2 = (leaf(B, H, n, hd) for _ in range(5))
-    kc, vc = leaf(B, H, n, J, hd), leaf(B, H, n, J, hd)
-    tril = torch.ones(n, n, dtype=torch.bool).tril()
-    chain = layers.KeyBlock(kc, vc, diag=True)
-    fused = layers.attend(q, [layers.KeyBlock(k1, v1, causal=True), layers.KeyBlock(k2, v2, causal=True), chain])
-    plain = layers.attend(q, [layers.KeyBlock(k1, v1, tril), layers.KeyBlock(k2, v2, tril), chain])
-    grad = torch.randn(fused.shape, generator=g).to(torch.bfloat16)
-    for a, b in zip(torch.autograd.grad(fused, (q, k1, v1, k2, v2, kc, vc), grad),
-                    torch.autograd.grad(plain, (q, k1, v1, k2, v2, kc, vc), grad)):
-        torch.testing.assert_close(a, b, atol=3e-2, rtol=3e-2)
-    torch.testing.assert_close(fused, plain, atol=3e-2, rtol=3e-2)
+@pytest.mark.parametrize("prefixes", [1, 2])
+def test_fused_block_attention_bf16_equals_generic_path(prefixes):
+    q, kc, vc, pre = _block_leaves(torch.bfloat16, prefixes, B=2, H=3, n=23, J=8, hd=16)
+    fused, plain = _fused_and_plain(q.shape[2])
+    a, b = fused(q, kc, vc, *pre), plain(q, kc, vc, *pre)
+    grad = torch.randn(a.shape, generator=torch.Generator().manual_seed(1)).to(torch.bfloat16)
+    leaves = (q, kc, vc, *pre)
+    for ga, gb in zip(torch.autograd.grad(a, leaves, grad), torch.autograd.grad(b, leaves, grad)):
+        torch.testing.assert_close(ga, gb, atol=3e-2, rtol=3e-2)
+    torch.testing.assert_close(a, b, atol=3e-2, rtol=3e-2)
 
 
 @pytest.mark.parametrize("context", ["hidden", "kv", "both"])
@@ -225,13 +231,13 @@ def test_block_unroll_gradients_fused_equal_masked_path(monkeypatch, context):
         return {n: p.grad for n, p in d.named_parameters() if p.requires_grad}
 
     fused = grads()
-    real = layers.attend
+    real = layers.attend_block
 
-    def masked(q, blocks, scale=None):   # the causal blocks as explicit masks: the generic path
-        blocks = [layers.KeyBlock(b.k, b.v, b.dense_mask()) if b.causal else b for b in blocks]
-        return real(q, blocks, scale)
+    def masked(q, blocks, k_own, v_own, scale=None):   # the causal blocks as explicit masks: the generic path
+        blocks = [layers.KeyBlock(b.k, b.v, b.dense_mask()) for b in blocks]
+        return real(q, blocks, k_own, v_own, scale)
 
-    monkeypatch.setattr("models.block.attend", masked)
+    monkeypatch.setattr("models.block.attend_block", masked)
     plain = grads()
     assert fused.keys() == plain.keys() and "mask_embedding" in fused
     for name in fused:
@@ -278,32 +284,28 @@ def test_context_reads_exactly_the_target_info_up_to_the_anchor(context):
 
 def test_no_dense_block_mask(monkeypatch):
     """Dense key blocks are at most T x T (the causal context, one per source), the block's own keys come as
-    one diag block of B keys per query; depth x B attend calls per pass."""
+    [T, B] per head (B keys private to each anchor's B queries); one attention call per layer and pass."""
     tgt = tiny("llama")
     T = 48
     ids, feats, kv, logits = capture(tgt, B=1, T=T)
-    calls, dense, diag = [], [], []
-    real = layers.attend
+    calls, dense = [], []
+    real = layers.attend_block
 
-    def spy(q, blocks, scale=None):
-        calls.append(tuple(q.shape))
-        for b in blocks:
-            if b.diag:
-                diag.append(tuple(b.k.shape))
-            else:
-                dense.append((b.k.shape[-2], b.causal, None if b.mask is None else tuple(b.mask.shape)))
-        return real(q, blocks, scale)
+    def spy(q, blocks, k_own, v_own, scale=None):
+        calls.append((tuple(q.shape), tuple(k_own.shape)))
+        dense.extend((b.k.shape[-2], b.causal, b.mask) for b in blocks)
+        return real(q, blocks, k_own, v_own, scale)
 
-    monkeypatch.setattr("models.block.attend", spy)
+    monkeypatch.setattr("models.block.attend_block", spy)
     d = make_drafter(tgt, variant="block", context="both", depth=2)
     anchors = sample_anchors(torch.ones_like(ids), None, 10, torch.Generator().manual_seed(0))
     with torch.no_grad():
         for a in (None, anchors):
             block_unroll(d, ids, torch.ones_like(ids), features=feats, target_kv=kv, target_logits=logits, anchors=a)
-    assert len(calls) == 2 * 2 * 8 and all(shape[-2] == T for shape in calls)
-    assert dense and all(width == T and causal and mask is None for width, causal, mask in dense)
-    assert len(dense) == 2 * len(calls)                    # hidden and kv context: two causal blocks
-    assert diag and all(shape[2:4] == (T, 8) for shape in diag)
+    assert len(calls) == 2 * 2
+    assert all(q[2:4] == (T, 8) and k == q for q, k in calls)
+    assert len(dense) == 2 * len(calls)                    # hidden and kv context: two causal T x T blocks
+    assert all(width == T and causal and mask is None for width, causal, mask in dense)
 
 
 # -- decoding --------------------------------------------------------------------------------------------------------
