@@ -368,13 +368,14 @@ def block_reference(drafter: BlockDrafter, input_ids: torch.Tensor, features: to
     (sliced explicitly, projected afresh, padding masked), plain dense softmax attention.
     Returns [B-1, batch, T, V_draft] (step k = block position k+1), NaN where t is not an anchor or has no root."""
     b, T = input_ids.shape
+    dev = input_ids.device
     cfg = drafter.config
     steps = cfg.block_size - 1
-    out = torch.full((steps, b, T, cfg.draft_vocab_size), float("nan"))
+    out = torch.full((steps, b, T, cfg.draft_vocab_size), float("nan"), device=dev)
     if position_ids is None:
-        position_ids = torch.arange(T).expand(b, T)
+        position_ids = torch.arange(T, device=dev).expand(b, T)
     for t in range(T - 1):
-        rows = torch.arange(b) if anchors is None else anchors[:, t].nonzero().squeeze(1)
+        rows = torch.arange(b, device=dev) if anchors is None else anchors[:, t].nonzero().squeeze(1)
         if rows.numel() == 0:
             continue
         pos = position_ids[rows, :t + 1]
