@@ -111,11 +111,12 @@ def test_default_block_size_equals_reference():
     assert out.counts.valid == [10 - k for k in range(7)]      # step k scores t with t+2+k <= 11
 
 
+@pytest.mark.parametrize("arch", ["llama", "qwen3"])
 @pytest.mark.parametrize("context", ["hidden", "kv", "both"])
-def test_padding(context):
-    """Right padding: real positions as without the padding, counts too; left padding (the explicit-mask path):
-    equal to the reference with the padding masked out of the context."""
-    tgt = tiny("llama")
+def test_padding(arch, context):
+    """Right padding: real positions as without the padding, counts too, and as the reference at every real
+    anchor; left padding (the explicit-mask path): equal to the reference with the padding masked out."""
+    tgt = tiny(arch)
     ids, feats, kv, logits = capture(tgt, B=2, T=10)
     d = make_drafter(tgt, variant="block", context=context, block_size=BS, depth=2)
     am = torch.ones(2, 10)
@@ -132,6 +133,8 @@ def test_padding(context):
         torch.testing.assert_close(padded.logits[k][1:, :6], short.logits[k][:, :6], atol=1e-5, rtol=1e-5)
         torch.testing.assert_close(padded.logits[k][:1], full.logits[k], atol=1e-5, rtol=1e-5)
     assert [a + b for a, b in zip(short.counts.valid, full.counts.valid)] == padded.counts.valid
+    ref = block_reference(d, ids, feats, kv, attention_mask=am)
+    assert _max_diff(padded.logits, ref, where=am.bool()) <= 1e-5
     left = torch.ones(2, 10)
     left[1, :3] = 0
     with torch.no_grad():
@@ -159,6 +162,22 @@ def test_target_hidden_path_and_scoring_rule():
     for k in range(BS - 1):
         assert a.counts.valid[k] == int(inside[:, 4:11].sum()), k
     assert float(a.loss) == pytest.approx(sum(0.5 ** k * l for k, l in enumerate(a.losses)), rel=1e-5)
+
+
+def test_bf16_autocast_pass_is_close_to_fp32():
+    tgt = tiny("llama")
+    ids, feats, kv, logits = capture(tgt, B=2, T=16)
+    d = make_drafter(tgt, variant="block", context="both", depth=2).train()
+    anchors = sample_anchors(torch.ones_like(ids), None, 8, torch.Generator().manual_seed(0))
+    run = lambda: block_unroll(d, ids, torch.ones_like(ids), features=feats, target_kv=kv,   # noqa: E731
+                               target_logits=logits * 5, anchors=anchors)
+    fp32 = run()
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        bf16 = run()
+    bf16.loss.backward()
+    assert torch.isfinite(bf16.loss) and float(bf16.loss.detach()) == pytest.approx(float(fp32.loss.detach()), rel=0.03)
+    assert d.mask_embedding.grad is not None and torch.isfinite(d.mask_embedding.grad).all()
+    assert bf16.counts.valid == fp32.counts.valid
 
 
 # -- the fused attention -------------------------------------------------------------------------------------------
