@@ -5,8 +5,13 @@ target tensors (features, KV, last hidden; no model load), bf16 autocast, batch 
 (`--scored 0.5`: only the last half, as in a chat whose reply is half the tokens).
 Prints per variant and length the K=7 and K=1 step times (median), their ratio, tokens/s and each variant's
 overhead over eagle3, then one summary line.
+Block drafters (`models.block`, one pass predicts block_size - 1 tokens): one `block_unroll` optimizer step per
+context source and depth, against eagle3's K=7 step at the same 7 predicted tokens (block_size 8), over every
+position as anchor or `--anchors N` random anchors per sequence; and the memory autograd keeps for backward at
+block sizes 4, 8, 16 (linear in B: the same increase per block position).
 
     python benchmarks/train.py [--seqs 512 1024] [--variants eagle3 kv_only hybrid] [--repeats 3]
+                               [--blocks hidden kv both] [--block-depths 1 2] [--anchors 0 128]
 """
 from __future__ import annotations
 
@@ -20,7 +25,8 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from models.drafter import Drafter, DrafterConfig  # noqa: E402
+from models.block import block_unroll, sample_anchors  # noqa: E402
+from models.drafter import Drafter, DrafterConfig, build_drafter  # noqa: E402
 from models.ttt import ttt_unroll  # noqa: E402
 
 SMOLLM2 = dict(hidden_size=576, num_heads=9, num_kv_heads=3, head_dim=64, intermediate_size=1536, vocab_size=49152,
@@ -68,8 +74,9 @@ def eagle3_flops(T: int, K: int, Vd: int, d: int = 576, H: int = 9, Hkv: int = 3
     return target + fc + sum(3 * (layer + attn(k) + head) for k in range(K))
 
 
-def saved_bytes(drafter: Drafter, data: dict, steps: int) -> int:
-    """Bytes autograd keeps for the backward pass of one unroll (distinct storages): the memory that grows with K."""
+def saved_bytes(drafter: Drafter, data: dict, steps: int | None = None, anchors: torch.Tensor | None = None) -> int:
+    """Bytes autograd keeps for the backward pass of one unroll (distinct storages): the memory that grows with K
+    (for a block drafter, steps=None: one block_unroll pass, growing with the block size)."""
     seen: dict[int, int] = {}
 
     def pack(t: torch.Tensor) -> torch.Tensor:
@@ -78,16 +85,24 @@ def saved_bytes(drafter: Drafter, data: dict, steps: int) -> int:
         return t
 
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), torch.autocast("cpu", dtype=torch.bfloat16):
-        ttt_unroll(drafter, steps=steps, **data)
+        unroll(drafter, data, steps, anchors)
     return sum(seen.values())
 
 
-def step_time(drafter: Drafter, opt, data: dict, steps: int, repeats: int) -> float:
+def unroll(drafter, data: dict, steps: int | None, anchors: torch.Tensor | None = None):
+    """One training pass: the K-step TTT unroll, or a block drafter's block_unroll (steps None)."""
+    if drafter.config.variant == "block":
+        return block_unroll(drafter, anchors=anchors, **data)
+    return ttt_unroll(drafter, steps=steps, **data)
+
+
+def step_time(drafter: Drafter, opt, data: dict, steps: int | None, repeats: int,
+              anchors: torch.Tensor | None = None) -> float:
     times = []
     for i in range(repeats + 1):            # the first step warms up allocators and kernels
         t0 = time.perf_counter()
         with torch.autocast("cpu", dtype=torch.bfloat16):
-            out = ttt_unroll(drafter, steps=steps, **data)
+            out = unroll(drafter, data, steps, anchors)
         opt.zero_grad(set_to_none=True)
         out.loss.backward()
         torch.nn.utils.clip_grad_norm_(drafter.parameters(), 0.5)
@@ -105,6 +120,13 @@ def main() -> None:
     ap.add_argument("--draft-vocab", type=int, default=16384)
     ap.add_argument("--threads", type=int, default=0)
     ap.add_argument("--scored", type=float, default=1.0, help="share of positions in the loss mask")
+    ap.add_argument("--blocks", nargs="*", default=["hidden", "kv", "both"], choices=["hidden", "kv", "both"],
+                    help="block drafter context sources to time (none: skip the block rows)")
+    ap.add_argument("--block-depths", type=int, nargs="+", default=[1, 2])
+    ap.add_argument("--block-size", type=int, default=8)
+    ap.add_argument("--anchors", type=int, nargs="+", default=[0], help="anchors per sequence (0: every position)")
+    ap.add_argument("--memory-sizes", type=int, nargs="*", default=[4, 8, 16],
+                    help="block sizes whose saved-for-backward memory is measured (first --blocks context, depth 1)")
     args = ap.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -135,6 +157,7 @@ def main() -> None:
             t7, t1 = results[(T, "eagle3")]
             a = ANCHOR[T]
             print(f"seq {T:5d} eagle3 vs SpecForge anchor: K=7 {a[7] / t7:4.2f}x faster, K=1 {a[1] / t1:4.2f}x faster")
+        block_rows(T, data, args, results)
     parts = []
     for T in args.seqs:
         if (T, "eagle3") in results:
@@ -144,7 +167,54 @@ def main() -> None:
                  if n != "eagle3" and (T, n) in results and (T, "eagle3") in results]
         if overs:
             parts.append(f"KV overhead@{T} {min(overs):+.0%}..{max(overs):+.0%}")
+        blocks = {key: t for key, t in results.items() if key[0] == T and isinstance(key[1], tuple)}
+        if blocks:
+            ref = results.get((T, "eagle3"), (None,))[0]
+            vs = f" vs eagle3 K7 {ref:.2f}s" if ref else ""
+            parts.append(f"block{args.block_size}@{T} " + " ".join(
+                f"{c}/d{d}/{a or 'all'} {t:.2f}s" for (_, (c, d, a)), t in blocks.items()) + vs)
+        if (T, "block-memory") in results:
+            parts.append("block saved-for-backward " + ", ".join(f"B={b} {m:.0f} MiB"
+                                                                  for b, m in results[(T, "block-memory")].items()))
     print("SUMMARY train: " + "; ".join(parts))
+
+
+def block_config(context: str, depth: int, block_size: int, draft_vocab: int) -> DrafterConfig:
+    return DrafterConfig(variant="block", context=context, depth=depth, block_size=block_size,
+                         draft_vocab_size=draft_vocab, **SMOLLM2)
+
+
+def block_rows(T: int, data: dict, args, results: dict) -> None:
+    """Block drafters at this length: step time per context, depth and anchor count vs eagle3's K=7 step; then the
+    memory saved for backward per block size."""
+    base = results.get((T, "eagle3"))
+    for n_anchors in args.anchors:
+        anchors = None if not n_anchors else sample_anchors(data["loss_mask"], None, n_anchors,
+                                                            torch.Generator().manual_seed(0))
+        for context in args.blocks:
+            for depth in args.block_depths:
+                torch.manual_seed(0)
+                drafter = build_drafter(block_config(context, depth, args.block_size, args.draft_vocab)).train()
+                opt = torch.optim.AdamW([p for p in drafter.parameters() if p.requires_grad], lr=1e-4, fused=True)
+                t = step_time(drafter, opt, data, None, args.repeats, anchors)
+                results[(T, (context, depth, n_anchors))] = t
+                over = f"{t / base[0] - 1:+6.1%} vs eagle3 K=7" if base else ""
+                which = f"{n_anchors} anchors" if n_anchors else "all anchors"
+                print(f"seq {T:5d} block/{context:6s} d{depth} B={args.block_size} ({args.block_size - 1} tokens, "
+                      f"{which}) {t:6.3f} s  {T / t:7.0f} tok/s  {over}", flush=True)
+    if args.memory_sizes and args.blocks:
+        context = args.blocks[0]
+        mem = {}
+        for size in args.memory_sizes:
+            torch.manual_seed(0)
+            drafter = build_drafter(block_config(context, 1, size, args.draft_vocab)).train()
+            mem[size] = saved_bytes(drafter, data) / 2 ** 20
+        sizes = sorted(mem)
+        per = [f"+{(mem[b] - mem[a]) / (b - a):.0f}" for a, b in zip(sizes, sizes[1:])]
+        print(f"seq {T:5d} block/{context} d1 saved for backward: "
+              + ", ".join(f"B={b} {mem[b]:.0f} MiB" for b in sizes)
+              + f" ({' and '.join(per)} MiB per block position: linear in B)", flush=True)
+        results[(T, "block-memory")] = mem
 
 
 if __name__ == "__main__":

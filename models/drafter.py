@@ -1,5 +1,9 @@
 """The KVShot drafters (DESIGN §5): `eagle3`, `kv_only`, `hybrid`, `cross_only`, one `Drafter` module.
 
+The block-wise drafter family (`block`: one pass drafts a whole block of tokens) shares this module's config, its
+`DraftModel` base (embedding, fc, head, vocabulary, RoPE) and `Injection`; its module is `models.block.BlockDrafter`.
+`build_drafter(cfg)` returns the right module for any variant.
+
 Alignment (DESIGN §4). Entry (t, k) -- position t, speculative step k -- reads target information about tokens
 <= t, takes the token t+1+k as input and predicts token t+2+k. Its RoPE position is the absolute position of
 its input token, `pos(t) + 1 + k` (pos = the target's position ids, normally t). Self-attention only sees
@@ -65,6 +69,7 @@ from __future__ import annotations
 
 import json
 from dataclasses import asdict, dataclass, field, fields
+from typing import Callable
 
 import torch
 from torch import nn
@@ -72,9 +77,13 @@ from torch import nn
 from models.layers import MLP, KeyBlock, RMSNorm, attend, expand_heads, head_map
 from models.rope import RotaryEmbedding, apply_rope, unapply_rope
 
-VARIANTS = ("eagle3", "kv_only", "hybrid", "cross_only")
+VARIANTS = ("eagle3", "kv_only", "hybrid", "cross_only", "block")
 INJECTIONS = ("linear", "head_concat")
 EAGLE_FAMILY = ("eagle3", "hybrid", "cross_only")
+# what the block drafter's context keys are made of: the fused target features (DFlash), the injected target KV,
+# or both key sets under one softmax
+CONTEXTS = ("hidden", "kv", "both")
+BLOCK_DEFAULTS = {"block_size": 8, "context": "hidden"}
 
 
 # -- config ---------------------------------------------------------------------------------------------------
@@ -105,6 +114,8 @@ class DrafterConfig:
     fc_norm: bool = False                      # EAGLE-3.1: RMSNorm per fused feature before fc
     norm_output: bool = False                  # EAGLE-3.1: step k+1 reads step k's post-final-norm hidden
     no_target: bool = False                    # kv_only control: the target prefix masked out of the keys
+    block_size: int = 8                        # block: positions per pass incl. the root (B-1 tokens predicted)
+    context: str = "hidden"                    # block: the context keys, one of CONTEXTS
     extra: dict = field(default_factory=dict)  # free-form notes (e.g. the target's name)
 
     def __post_init__(self):
@@ -114,6 +125,21 @@ class DrafterConfig:
             raise ValueError(f"drafter.injection={self.injection!r}: expected one of {list(INJECTIONS)}")
         if self.depth < 1:
             raise ValueError(f"drafter.depth={self.depth}: must be >= 1")
+        if self.variant == "block":
+            if self.context not in CONTEXTS:
+                raise ValueError(f"drafter.context={self.context!r}: expected one of {list(CONTEXTS)}")
+            if self.block_size < 2:
+                raise ValueError(f"drafter.block_size={self.block_size}: must be >= 2 (the root and at least one "
+                                 "predicted token)")
+            if self.norm_output:
+                raise ValueError("drafter.norm_output feeds one step's output to the next; the block variant drafts "
+                                 "all positions in one pass and does not take it")
+            if self.fc_norm and not self.uses_features:
+                raise ValueError(f"drafter.fc_norm normalises the fused features; block context={self.context!r} "
+                                 "reads none (use context 'hidden' or 'both')")
+        elif any(getattr(self, k) != v for k, v in BLOCK_DEFAULTS.items()):
+            raise ValueError(f"drafter.block_size / drafter.context are options of the block variant; variant "
+                             f"{self.variant!r} does not take them")
         if self.num_heads % self.num_kv_heads:
             raise ValueError(f"drafter num_heads={self.num_heads} not a multiple of num_kv_heads={self.num_kv_heads}")
         if not 1 <= self.draft_vocab_size <= self.vocab_size:
@@ -131,11 +157,23 @@ class DrafterConfig:
 
     @property
     def reads_kv(self) -> bool:
+        """The drafter reads the target KV (the trainer passes `target_kv`, decoding the live target cache)."""
+        if self.variant == "block":
+            return self.context in ("kv", "both")
         return self.variant != "eagle3"
 
     @property
     def uses_features(self) -> bool:
+        """The drafter reads the fused target features (the trainer passes `features`)."""
+        if self.variant == "block":
+            return self.context in ("hidden", "both")
         return self.variant in EAGLE_FAMILY
+
+    @property
+    def steps(self) -> int | None:
+        """Tokens one block pass predicts (block_size - 1); None for the autoregressive variants (their K is the
+        training unroll's choice)."""
+        return self.block_size - 1 if self.variant == "block" else None
 
     @property
     def cross_kv_heads(self) -> int:
@@ -147,14 +185,16 @@ class DrafterConfig:
     @classmethod
     def from_target(cls, target, variant: str = "eagle3", depth: int = 1, injection: str = "linear",
                     rope_fix: bool = False, draft_vocab_size: int = 0, fc_norm: bool = False,
-                    norm_output: bool = False, no_target: bool = False) -> "DrafterConfig":
+                    norm_output: bool = False, no_target: bool = False, block_size: int = 8,
+                    context: str = "hidden") -> "DrafterConfig":
         """Drafter dimensions = target dimensions (as EAGLE-3); draft_vocab_size 0 or >= vocab means full."""
         V = target.vocab_size
         n = V if draft_vocab_size <= 0 or draft_vocab_size >= V else draft_vocab_size
         rot = target.rotary_emb
         cfg = target.config
         return cls(variant=variant, depth=depth, injection=injection, rope_fix=rope_fix, fc_norm=fc_norm,
-                   norm_output=norm_output, no_target=no_target, hidden_size=target.hidden_size, num_heads=target.num_heads, num_kv_heads=target.num_kv_heads,
+                   norm_output=norm_output, no_target=no_target, block_size=block_size, context=context,
+                   hidden_size=target.hidden_size, num_heads=target.num_heads, num_kv_heads=target.num_kv_heads,
                    head_dim=target.head_dim, intermediate_size=cfg.intermediate_size, vocab_size=V,
                    draft_vocab_size=n, n_features=len(target.feature_layers), n_kv_layers=len(target.kv_layers),
                    target_num_kv_heads=target.num_kv_heads, target_head_dim=target.head_dim,
@@ -425,8 +465,16 @@ class _StepContext:
 
 # -- the drafter ----------------------------------------------------------------------------------------------
 
-class Drafter(nn.Module):
-    def __init__(self, cfg: DrafterConfig):
+class DraftModel(nn.Module):
+    """What every drafter module shares (`Drafter`, `models.block.BlockDrafter`): the frozen target embedding
+    `embed_tokens`, the feature fusion `fc` (+ `fc_norms`) when the config reads features, the subclass's `layers`,
+    the final `norm` and the draft-vocabulary `lm_head`, RoPE, and the `d2t`/`t2d` buffers.
+
+    `make_layers` builds the layers between fc and norm: construction order fixes the random initialisation, and
+    this is the order `Drafter` always had.
+    """
+
+    def __init__(self, cfg: DrafterConfig, make_layers: Callable[[], nn.ModuleList]):
         super().__init__()
         self.config = cfg
         d = cfg.hidden_size
@@ -436,7 +484,7 @@ class Drafter(nn.Module):
             if cfg.fc_norm:
                 self.fc_norms = nn.ModuleList(RMSNorm(d, cfg.rms_norm_eps) for _ in range(cfg.n_features))
             self.fc = nn.Linear(cfg.n_features * d, d, bias=False)
-        self.layers = nn.ModuleList(DecoderLayer(cfg, i) for i in range(cfg.depth))
+        self.layers = make_layers()
         self.norm = RMSNorm(d, cfg.rms_norm_eps)
         self.lm_head = nn.Linear(d, cfg.draft_vocab_size, bias=False)
         inv = torch.tensor(cfg.rope_inv_freq, dtype=torch.float32) if cfg.rope_inv_freq else None
@@ -480,11 +528,6 @@ class Drafter(nn.Module):
         if lm_head_weight is not None:
             self.lm_head.weight.copy_(lm_head_weight[self.d2t.to(lm_head_weight.device)].to(self.lm_head.weight.dtype))
 
-    def force_gate(self, value: float | None) -> None:
-        """Pin the hybrid gate to a constant (0.0 = closed: exactly eagle3); None restores the learned gate."""
-        for layer in self.layers:
-            layer.gate_override = value
-
     # -- pieces --------------------------------------------------------------------------------------------------
     def fuse(self, features: torch.Tensor) -> torch.Tensor:
         """[B, n, 3d] concat of the target features -> the step-0 hidden input [B, n, d]."""
@@ -496,11 +539,6 @@ class Drafter(nn.Module):
             parts = features.chunk(self.config.n_features, -1)
             features = torch.cat([norm(x) for norm, x in zip(self.fc_norms, parts)], -1)
         return self.fc(features)
-
-    def carry(self, hidden: torch.Tensor) -> torch.Tensor:
-        """The hidden that step k+1 reads from step k's output: as is (EAGLE-3), or after the final norm
-        (`norm_output`, EAGLE-3.1)."""
-        return self.norm(hidden) if self.config.norm_output else hidden
 
     def rope(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """cos/sin `[B, 1, n, hd]` (fp32) for positions [B, n]."""
@@ -518,6 +556,25 @@ class Drafter(nn.Module):
     def head(self, hidden: torch.Tensor) -> torch.Tensor:
         """Final norm + LM head: [.., d] -> [.., V_draft]."""
         return self.lm_head(self.norm(hidden))
+
+
+class Drafter(DraftModel):
+    """The autoregressive drafters (eagle3, kv_only, hybrid, cross_only): one token per step."""
+
+    def __init__(self, cfg: DrafterConfig):
+        if cfg.variant == "block":
+            raise ValueError("drafter variant 'block' is models.block.BlockDrafter; build it with build_drafter(cfg)")
+        super().__init__(cfg, lambda: nn.ModuleList(DecoderLayer(cfg, i) for i in range(cfg.depth)))
+
+    def force_gate(self, value: float | None) -> None:
+        """Pin the hybrid gate to a constant (0.0 = closed: exactly eagle3); None restores the learned gate."""
+        for layer in self.layers:
+            layer.gate_override = value
+
+    def carry(self, hidden: torch.Tensor) -> torch.Tensor:
+        """The hidden that step k+1 reads from step k's output: as is (EAGLE-3), or after the final norm
+        (`norm_output`, EAGLE-3.1)."""
+        return self.norm(hidden) if self.config.norm_output else hidden
 
     def forward_hidden(self, input_ids: torch.Tensor, hidden_in: torch.Tensor | None, positions: torch.Tensor,
                        ctx) -> torch.Tensor:
@@ -574,3 +631,14 @@ def init_from_eagle3(drafter: Drafter, state_dict: dict[str, torch.Tensor]) -> t
         t.copy_(src)
         loaded.append(name)
     return loaded, new
+
+
+# -- the factory ------------------------------------------------------------------------------------------------
+
+def build_drafter(cfg: DrafterConfig) -> nn.Module:
+    """The module for a config: `models.block.BlockDrafter` for variant 'block', else `Drafter`."""
+    if cfg.variant == "block":
+        from models.block import BlockDrafter     # imported here: models.block imports this module
+
+        return BlockDrafter(cfg)
+    return Drafter(cfg)

@@ -14,6 +14,11 @@ The blocks share one softmax, exactly the softmax over the concatenated keys; sc
 even under bf16 autocast. The TTT unroll's pair (causal prefix, diag chain) has a fused path on CPU
 (`_CausalChainAttention`): the prefix runs in PyTorch's flash kernel, which skips the masked half and never
 materialises the [n, n] scores, and the chain is merged in by log-sum-exp.
+
+`attend_block` is the block drafters' variant: n rows of J queries each (an anchor's block), every query of a row
+sees the row's dense blocks (the context) and all J keys of its own row (bidirectional within the block). On CPU
+with causal context blocks it is fused too (`_CausalBlockAttention`): the context through the flash kernel once
+per block offset j, the row's own J x J scores as one batched matmul, merged by log-sum-exp.
 """
 from __future__ import annotations
 
@@ -175,3 +180,83 @@ class _CausalChainAttention(torch.autograd.Function):
         dkc = (ctx.scale * ds2).unsqueeze(-1) * q.float().unsqueeze(-2)
         dvc = p2.unsqueeze(-1) * gf.unsqueeze(-2)
         return dq.to(q.dtype), dk, dv, dkc.to(kc.dtype), dvc.to(vc.dtype), None
+
+
+def attend_block(q: torch.Tensor, blocks: list[KeyBlock], k_own: torch.Tensor, v_own: torch.Tensor,
+                 scale: float | None = None) -> torch.Tensor:
+    """Joint-softmax attention of n rows of J queries, q `[B, H, n, J, hd]`: each query sees the dense `blocks`
+    (as a query set of n rows: causal = row i sees keys 0..i) and all J keys of its own row, k_own/v_own
+    `[B, H, n, J, hd]`. Returns `[B, H, n, J, hd]`.
+
+    CPU with causal blocks only: fused (`_CausalBlockAttention`). Elsewhere (other devices, masked blocks): one
+    `attend` call per offset j with the row's keys as a diag block -- the generic path, nothing of size
+    (n*J)^2 either way.
+    """
+    scale = q.shape[-1] ** -0.5 if scale is None else scale
+    n = q.shape[2]
+    if (blocks and all(b.causal and not b.diag for b in blocks) and q.device.type == "cpu"
+            and all(b.k.shape[-2] == n for b in blocks)):
+        dt = q.dtype
+        kv = [t.to(dt) for b in blocks for t in (b.k, b.v)]
+        return _CausalBlockAttention.apply(q, k_own.to(dt), v_own.to(dt), scale, *kv)
+    own = KeyBlock(k_own, v_own, diag=True)
+    return torch.stack([attend(q[:, :, :, j], blocks + [own], scale) for j in range(q.shape[3])], 3)
+
+
+class _CausalBlockAttention(torch.autograd.Function):
+    """attend_block() on CPU for causal context blocks (each [B, H, n, hd], flat in `kv` as k, v, k, v, ...).
+
+    Forward: per context block and offset j, the flash kernel over the n context keys (output and log-sum-exp);
+    the rows' own scores s = q k_own^T as one batched [J, J] matmul per row; all merged by log-sum-exp. Backward:
+    each flash backward, handed the merged output and log-sum-exp of offset j, gives that block's gradients under
+    the joint softmax (as in `_CausalChainAttention`); the own part is written out, its probabilities recomputed
+    from q and k_own. Kept for backward: q, k_own, v_own, the output and the log-sum-exp -- linear in J.
+    """
+
+    @staticmethod
+    def forward(ctx, q, kc, vc, scale: float, *kv):
+        flash = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
+        acc = torch.promote_types(q.dtype, torch.float32)   # fp32 for bf16/fp32 inputs; float64 stays float64
+        J = q.shape[3]
+        parts = []
+        for i in range(0, len(kv), 2):
+            res = [flash(q[:, :, :, j], kv[i], kv[i + 1], 0.0, True, scale=scale) for j in range(J)]
+            parts.append((torch.stack([o for o, _ in res], 3), torch.stack([l for _, l in res], 3)))
+        s = (q.to(acc) @ kc.to(acc).transpose(-1, -2)).mul_(scale)               # [B, H, n, J, J]
+        lse = torch.logsumexp(s, -1)                                              # [B, H, n, J]
+        for _, lse_i in parts:
+            lse = torch.logaddexp(lse, lse_i)
+        out = torch.exp(s - lse.unsqueeze(-1)) @ vc.to(acc)
+        for o_i, lse_i in parts:
+            out = out + torch.exp(lse_i - lse).unsqueeze(-1) * o_i.to(acc)
+        out = out.to(q.dtype)
+        ctx.save_for_backward(q, kc, vc, out, lse, *kv)
+        ctx.scale = scale
+        return out
+
+    @staticmethod
+    def backward(ctx, g):
+        q, kc, vc, out, lse, *kv = ctx.saved_tensors
+        flash_bwd = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward
+        acc = torch.promote_types(q.dtype, torch.float32)
+        scale, J = ctx.scale, q.shape[3]
+        g = g.to(q.dtype)
+        gf = g.to(acc)
+        p = torch.exp((q.to(acc) @ kc.to(acc).transpose(-1, -2)).mul_(scale) - lse.unsqueeze(-1))
+        D = (gf * out.to(acc)).sum(-1, keepdim=True)                             # rowsum(dO * O)
+        ds = p * (gf @ vc.to(acc).transpose(-1, -2) - D)                         # [B, H, n, J, J]
+        dq = scale * (ds @ kc.to(acc))
+        dkc = scale * (ds.transpose(-1, -2) @ q.to(acc))
+        dvc = p.transpose(-1, -2) @ gf
+        grads = []
+        for i in range(0, len(kv), 2):
+            dk = dv = None
+            for j in range(J):
+                dq_j, dk_j, dv_j = flash_bwd(g[:, :, :, j].contiguous(), q[:, :, :, j], kv[i], kv[i + 1],
+                                             out[:, :, :, j].contiguous(), lse[:, :, :, j].contiguous(), 0.0, True,
+                                             scale=scale)
+                dq[:, :, :, j] += dq_j.to(acc)
+                dk = dk_j.to(acc) if dk is None else dk + dk_j.to(acc)    # summed in fp32 over the J offsets
+                dv = dv_j.to(acc) if dv is None else dv + dv_j.to(acc)
+            grads += [dk.to(kv[i].dtype), dv.to(kv[i + 1].dtype)]
+        return (dq.to(q.dtype), dkc.to(kc.dtype), dvc.to(vc.dtype), None, *grads)

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import torch
 
-from models.drafter import DraftCache, Drafter, DrafterConfig
+from models.drafter import DraftCache, Drafter, DrafterConfig, build_drafter
 
 VARIANT_GRID = (
     [dict(variant="eagle3", depth=1), dict(variant="eagle3", depth=2)]
@@ -14,6 +14,14 @@ VARIANT_GRID = (
     # EAGLE-3.1's normalisations, and the no-target control
     + [dict(variant="eagle3", depth=2, fc_norm=True, norm_output=True), dict(variant="hybrid", depth=1, norm_output=True),
        dict(variant="cross_only", depth=1, fc_norm=True), dict(variant="kv_only", depth=2, no_target=True)]
+)
+
+# block drafters: every context source, both injections, rope_fix, depth 1 and 2, EAGLE-3.1's fc_norm
+BLOCK_GRID = (
+    [dict(variant="block", context="hidden", depth=1), dict(variant="block", context="hidden", depth=2, fc_norm=True)]
+    + [dict(variant="block", context="kv", injection=i, rope_fix=r, depth=d)
+       for i, r, d in (("linear", False, 1), ("linear", True, 2), ("head_concat", False, 2))]
+    + [dict(variant="block", context="both", depth=1), dict(variant="block", context="both", depth=2, rope_fix=True)]
 )
 
 
@@ -34,9 +42,10 @@ def capture(target, B: int = 2, T: int = 12, seed: int = 0):
 
 
 def make_drafter(target, seed: int = 0, draft_vocab_size: int = 0, **kw) -> Drafter:
+    """A drafter of any variant (block ones too) with the target's embedding and perturbed norms."""
     torch.manual_seed(seed)
     cfg = DrafterConfig.from_target(target, draft_vocab_size=draft_vocab_size, **kw)
-    d = Drafter(cfg)
+    d = build_drafter(cfg)
     d.load_target_weights(target.embed_tokens.weight)
     # perturb the norms and the injection so that every parameter matters in the comparisons
     with torch.no_grad():
