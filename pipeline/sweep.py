@@ -50,7 +50,8 @@ VARIANT = "drafter.variant"
 INIT = "drafter.init"
 SEED = "train.seed"
 # Drafter settings an eagle3 drafter does not use: a ckpt child's parent ignores them.
-_EAGLE3_IGNORES = ("drafter.variant", "drafter.injection", "drafter.rope_fix", "drafter.init", "drafter.no_target")
+_EAGLE3_IGNORES = ("drafter.variant", "drafter.injection", "drafter.rope_fix", "drafter.init", "drafter.no_target",
+                   "drafter.block_size", "drafter.context")
 
 
 # -- planning ----------------------------------------------------------------------------------------------------
@@ -68,6 +69,12 @@ def _token(key: str, value: Any) -> str:
         text = f"s{value}"
     elif short == "no_target":
         text = "no_target" if value else "target"
+    elif short == "context":
+        text = str(value)
+    elif short == "block_size":
+        text = f"B{value}"
+    elif short in ("fc_norm", "norm_output") and isinstance(value, bool):
+        text = short if value else f"no_{short}"
     elif isinstance(value, bool):
         text = short if value else f"no_{short}"
     else:
@@ -77,8 +84,11 @@ def _token(key: str, value: Any) -> str:
 
 def trial_name(variant: str, values: dict[str, Any], naming_keys: list[str]) -> str:
     """`<variant>-<token>-...` from the values of `naming_keys` (those that vary across the plan), in order."""
-    parts = [variant] + [_token(k, values[k]) for k in naming_keys if k in values and k != VARIANT]
-    return "-".join(parts)
+    keys = [k for k in naming_keys if k in values and k != VARIANT]
+    if variant == "eagle3" and values.get("drafter.fc_norm") is True and values.get("drafter.norm_output") is True:
+        variant = "eagle3.1"            # both EAGLE-3.1 normalisations: the drafter has a name of its own
+        keys = [k for k in keys if k not in ("drafter.fc_norm", "drafter.norm_output")]
+    return "-".join([variant] + [_token(k, values[k]) for k in keys])
 
 
 def _resolve_axes(axes: dict[str, list[Any]]) -> dict[str, list[Any]]:

@@ -122,7 +122,7 @@ def load_drafter(run_dir: Path, target) -> tuple[Any, dict[str, Any]]:
     Returns (drafter in eval mode on the target's device, the run's config.json; for an export a config of the
     same shape, see `stages.export.read_export`).
     """
-    from models.drafter import Drafter, DrafterConfig
+    from models.drafter import DrafterConfig, build_drafter
     from stages.export import export_format, read_export
 
     if export_format(run_dir) is not None:
@@ -141,7 +141,7 @@ def load_drafter(run_dir: Path, target) -> tuple[Any, dict[str, Any]]:
     if (cfg.vocab_size, cfg.hidden_size) != (target.vocab_size, target.hidden_size):
         raise StageError(f"run directory {run_dir}: drafter built for vocab {cfg.vocab_size} / hidden "
                          f"{cfg.hidden_size}, the target has {target.vocab_size} / {target.hidden_size}")
-    model = Drafter(cfg)
+    model = build_drafter(cfg)
     load_weights(model, weights)
     model.load_target_weights(target.embed_tokens.weight.detach().float().cpu())
     return model.to(target.device).eval(), config

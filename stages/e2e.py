@@ -30,6 +30,9 @@ class E2EParams(Section):
     max_new_tokens: int = Field(96, ge=1)
     paper_tree: list[int] = [8, 10, 60]   # [depth, top_k, total_tokens]
     tree_candidates: list[list[int]] = [[3, 2, 6], [4, 2, 8], [5, 3, 12], [6, 4, 16]]
+    # block drafters draft every level in one pass, so deeper, narrower trees pay off: their own candidates
+    # (depth is capped at the block's B-1 predicted tokens; top_k 1 is the chain of the block's top-1 tokens)
+    block_tree_candidates: list[list[int]] = [[7, 1, 8], [4, 2, 8], [6, 2, 12], [7, 3, 16]]
     dtype: Literal["bfloat16", "float32"] = "bfloat16"
     tie_tolerance: float = Field(0.25, ge=0)   # bf16 near-tie: top-2 logit gap at a first divergence
     checkpoints: list[str] = []           # extra run dirs to decode with
@@ -107,7 +110,8 @@ def _setting(run_dir: Path, config: dict, root: Path) -> dict[str, Any]:
             "depth": dr.get("depth"),
             "injection": d.get("injection", dr.get("injection")), "rope_fix": d.get("rope_fix", dr.get("rope_fix")),
             "init": d.get("init"), "scale": t.get("scale"), "seed": t.get("seed"), "run_dir": _relative(run_dir, root),
-            **{k: True for k in ("fc_norm", "norm_output", "no_target") if dr.get(k)}}
+            **{k: True for k in ("fc_norm", "norm_output", "no_target") if dr.get(k)},
+            **({k: dr.get(k) for k in ("block_size", "context")} if dr.get("variant") == "block" else {})}
 
 
 def run(params: E2EParams, run_dirs, paths: Paths, report: Report, *, target: TargetParams,
@@ -122,6 +126,7 @@ def run(params: E2EParams, run_dirs, paths: Paths, report: Report, *, target: Ta
 
     from models.decoding import (DrafterProposer, LookupProposer, TreeSpec, greedy_generate,
                                  prompt_lookup_generate, speculative_generate)
+    from models.decoding.block_proposer import BlockProposer
     from models.quant import quantize_linears_int8
     from stages import checkpoint as ckpt
 
@@ -129,6 +134,7 @@ def run(params: E2EParams, run_dirs, paths: Paths, report: Report, *, target: Ta
         run_dirs, "e2e: no trained drafters (train a study marked e2e, or set e2e.checkpoints=[RUN_DIR])")
     paper = TreeSpec.of(params.paper_tree)
     candidates = [TreeSpec.of(t) for t in params.tree_candidates]
+    block_candidates = [TreeSpec.of(t) for t in params.block_tree_candidates]
     tgt = loaded_target or load_target_for(target.model_copy(update={"dtype": params.dtype}), paths)
     eos = tgt.tokenizer.eos_token_id if tgt.tokenizer is not None else None
     prompts = [torch.tensor(tgt.chat_ids([{"role": "user", "content": t}], add_generation_prompt=True))
@@ -138,7 +144,7 @@ def run(params: E2EParams, run_dirs, paths: Paths, report: Report, *, target: Ta
 
     def drafted(drafter, spec: TreeSpec, lookup: int):
         def decode(p):
-            inner = DrafterProposer(drafter, tgt)
+            inner = BlockProposer(drafter, tgt) if drafter.config.variant == "block" else DrafterProposer(drafter, tgt)
             proposer = LookupProposer(inner, lookup, params.lookup_ngram) if lookup else inner
             return speculative_generate(tgt, p, n_new, proposer, spec, eos_token_id=eos)
         return decode
@@ -157,21 +163,23 @@ def run(params: E2EParams, run_dirs, paths: Paths, report: Report, *, target: Ta
     plan: list[tuple[str, dict, str, TreeSpec, int]] = []               # (method, setting, tree kind, tree, lookup)
     k = min(TUNE_PROMPTS, len(prompts))
     with Progress(transient=False) as bar:
-        tune = bar.add_task("e2e: tune trees", total=len(run_dirs) * len(lookups) * len(candidates) * k)
+        tune = bar.add_task("e2e: tune trees", total=len(run_dirs) * len(lookups) * max(len(candidates),
+                                                                                         len(block_candidates)) * k)
         for i, run_dir in enumerate(run_dirs):
             drafter, config = ckpt.load_drafter(run_dir, tgt)
             if params.drafter_weights == "int8":
                 drafter = quantize_linears_int8(drafter)
             setting = _setting(run_dir, config, paths.root)
+            own = block_candidates if drafter.config.variant == "block" else candidates
             for lookup in lookups:
-                if not candidates:
+                if not own:
                     continue
                 speed = []
-                for spec in candidates:
+                for spec in own:
                     out = [drafted(drafter, spec, lookup)(p) for p in prompts[:k]]
                     speed.append(sum(len(r.tokens) for r in out) / sum(r.seconds for r in out))
                     bar.advance(tune, k)
-                best = candidates[max(range(len(candidates)), key=speed.__getitem__)]
+                best = own[max(range(len(own)), key=speed.__getitem__)]
                 kind = "tuned_lookup" if lookup else "tuned"
                 plan.append((f"{i}:{kind}", setting, kind, best, lookup))
                 methods[plan[-1][0]] = drafted(drafter, best, lookup)

@@ -54,10 +54,19 @@ def stepwise_masks(model, batch, lm_head_weight: torch.Tensor, steps: int,
     from models.ttt import ttt_unroll
 
     target_logits = F.linear(batch.last_hidden.to(lm_head_weight.dtype), lm_head_weight)
-    out = ttt_unroll(model, batch.input_ids, batch.loss_mask, attention_mask=batch.attention_mask,
-                     features=batch.features if model.config.uses_features else None,
-                     target_kv=batch.kv if model.config.reads_kv else None, target_logits=target_logits,
-                     steps=steps, return_logits=True)
+    if model.config.variant == "block":     # block position k+1 of every anchor plays step k (models.block)
+        from models.block import block_unroll
+
+        out = block_unroll(model, batch.input_ids, batch.loss_mask, attention_mask=batch.attention_mask,
+                           features=batch.features if model.config.uses_features else None,
+                           target_kv=batch.kv if model.config.reads_kv else None, target_logits=target_logits,
+                           return_logits=True)
+        out.logits = out.logits[:steps]
+    else:
+        out = ttt_unroll(model, batch.input_ids, batch.loss_mask, attention_mask=batch.attention_mask,
+                         features=batch.features if model.config.uses_features else None,
+                         target_kv=batch.kv if model.config.reads_kv else None, target_logits=target_logits,
+                         steps=steps, return_logits=True)
     top = target_logits.argmax(-1)                                   # target id predicted after position t
     scored = batch.loss_mask.bool() & batch.attention_mask.bool()
     in_vocab = model.t2d[top]
@@ -151,6 +160,7 @@ def read_conversations(path: Path) -> list[dict]:
 # -- the stage ---------------------------------------------------------------------------------------------------
 
 SETTING_FIELDS = ("fc_norm", "norm_output", "no_target")   # drafter options a row names (when on)
+BLOCK_FIELDS = ("block_size", "context")                     # and a block drafter's own
 
 
 def row_for(run_dir: Path, config: dict, counts, steps: int, positions: int,
@@ -166,10 +176,21 @@ def row_for(run_dir: Path, config: dict, counts, steps: int, positions: int,
            "rope_fix": d.get("rope_fix", config["drafter"].get("rope_fix")), "init": d.get("init"),
            "scale": t.get("scale"), "seed": t.get("seed"), "steps": steps,
            **{k: bool(d.get(k)) for k in SETTING_FIELDS if d.get(k)},
-           **summary(counts), "n_positions": positions, "counts": counts.to_dict()}
+           **({k: config["drafter"].get(k) for k in BLOCK_FIELDS} if config["drafter"]["variant"] == "block" else {}),
+           **({"block_anchors": t.get("block_anchors")} if config["drafter"]["variant"] == "block" else {}),
+           **summary(counts), "n_positions": positions, "counts": counts.to_dict(),
+           **_training_cost(config.get("summary") or {})}
     if per_conversation is not None:
         row["per_conversation"] = per_conversation
     return row
+
+
+def _training_cost(summary: dict) -> dict:
+    """What the drafter's training cost (from its run summary): optimizer steps, wall time per step, tokens."""
+    steps, wall = summary.get("steps"), summary.get("wall_s")
+    if not isinstance(steps, int) or not steps or not isinstance(wall, (int, float)):
+        return {}
+    return {"train_steps": steps, "train_s_per_step": round(wall / steps, 4), "train_tokens": summary.get("tokens")}
 
 
 def standard_errors(per_conversation: list, k: int) -> tuple[float, float]:
@@ -199,7 +220,9 @@ def run(params: EvalParams, run_dirs: list[Path], paths: Paths, report: Report, 
         for run_dir in run_dirs:
             model, config = ckpt.load_drafter(run_dir, tgt)
             trained = config.get("params", {}).get("train", {})
-            steps = params.steps or int(trained.get("ttt_steps", 7))
+            steps = model.config.steps if model.config.variant == "block" else int(trained.get("ttt_steps", 7))
+            steps = min(params.steps, steps) if params.steps and model.config.variant == "block" else \
+                params.steps or steps
             precision = params.precision or trained.get("precision", "fp32")
             task = bar.add_task(f"eval {run_dir.name}", total=len(src))
             per_conv = evaluate_drafter(model, src, lm_head, steps, params.batch_size, precision,

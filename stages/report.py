@@ -149,6 +149,7 @@ STUDY_SHAPES: dict[str, tuple[LabelCols, tuple[str, ...]]] = {
     "depth": ([("drafter", variant_name), ("layers", lambda f: str(f.get("depth") or 1))],
               ("acc_0", "acc_3", "acc_6", "step_retention", "step_mat")),
     "hybrid": ([("variant", variant_name), ("init", _init)], ("acc_0", "acc_3", "acc_6", "step_retention", "step_mat")),
+    "block": ([("drafter", None)], ("acc_0", "acc_3", "acc_6", "step_retention", "step_mat")),
 }
 GENERIC: tuple[LabelCols, tuple[str, ...]] = ([("setting", None)], ("acc_0", "acc_3", "acc_6", "step_retention",
                                                                      "step_mat"))
@@ -175,6 +176,7 @@ def step_table(study: str, settings: list[Setting], paper: dict | None, level: f
     """Step accuracy (the paper-comparable α_k) in the paper's shape, with each drafter's baseline difference."""
     cols, metrics = STUDY_SHAPES.get(study, GENERIC)
     with_vs = any(baseline_for(s, settings) is not None for s in settings)
+    with_cost = study == "block" and any(math.isfinite(s.value("train_s_per_step")) for s in settings)
     records = []
     for s in settings:
         rec = dict(zip([c for c, _ in cols], _labels(cols, s)))
@@ -183,6 +185,9 @@ def step_table(study: str, settings: list[Setting], paper: dict | None, level: f
             rec[HEAD[m]] = "failed" if s.n == 0 else cell(s, m, level, pct="retention" in m)
         if with_vs:
             rec["Δ step MAT vs baseline"] = _vs_cell(s, baseline_for(s, settings), "step_mat", level)
+        if with_cost:
+            steps, per = s.value("train_steps"), s.value("train_s_per_step")
+            rec["training"] = f"{int(steps)} steps, {per:.2f} s/step" if math.isfinite(per) else "–"
         if paper:
             prow = _paper_row(paper, s.fields)
             for m in metrics:

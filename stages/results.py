@@ -176,6 +176,9 @@ def build_setting(study: str, group: pd.DataFrame) -> Setting:
             except (ValueError, KeyError):
                 counts = None      # seeds on different conversations: point values only
         point = _point_from_counts(counts, rows) if counts is not None else _point_from_lists(rows)
+        for key in ("train_s_per_step", "train_steps"):   # what training cost, mean over seeds
+            vals = [_num(r.get(key)) for r in rows if r.get(key) is not None]
+            point[key] = float(np.mean(vals)) if vals else math.nan
     commits = sorted({str(c) for c in ok["commit"] if c})
     return Setting(study, fields, json.loads(first["extra"]), sorted(group["trial"]), len(rows), failed, point,
                    counts, None, commits)

@@ -20,7 +20,7 @@ from pydantic import Field
 from stages import checkpoint as ckpt
 from stages.common import Paths, Report, Section, StageError, TargetParams, load_target_for
 
-Variant = Literal["eagle3", "kv_only", "hybrid", "cross_only"]
+Variant = Literal["eagle3", "kv_only", "hybrid", "cross_only", "block"]
 CKPT_CHILDREN = ("hybrid", "cross_only")   # variants whose init=ckpt loads a trained eagle3 drafter
 CONTINUED = "continued"                    # eagle3 init: every tensor of the trained eagle3 parent, then a schedule
 
@@ -43,6 +43,16 @@ class DrafterParams(Section):
     norm_output: bool = False
     # kv_only with the target prefix masked out of its keys: the paper's "no target information" control
     no_target: bool = False
+    # block (block-wise drafting, DFlash-style): B positions per pass (the root + B-1 predicted tokens) and what its
+    # context keys are made of: the fused target features (hidden), the target's own KV (kv), or both
+    block_size: int = Field(8, ge=2, le=64)
+    context: Literal["hidden", "kv", "both"] = "hidden"
+
+    def module_options(self) -> dict:
+        """The options `DrafterConfig.from_target` takes (it refuses block options set on another variant)."""
+        return dict(variant=self.variant, depth=self.depth, injection=self.injection, rope_fix=self.rope_fix,
+                    draft_vocab_size=self.draft_vocab_size, fc_norm=self.fc_norm, norm_output=self.norm_output,
+                    no_target=self.no_target, block_size=self.block_size, context=self.context)
 
 
 class TrainParams(Section):
@@ -67,6 +77,9 @@ class TrainParams(Section):
     # start from the weights of a trained run of the same variant and shape (a run directory; relative paths are
     # taken from the workspace root): more epochs, or other data, for a drafter already trained
     continue_from: str | None = None
+    # block drafters: anchors (blocks) per conversation and step, drawn at random among the positions that carry
+    # loss; 0 = every such position (the block counterpart of the TTT unroll scoring every position)
+    block_anchors: int = Field(0, ge=0)
 
 
 # -- pure helpers: schedule and data order -------------------------------------------------------------------------
@@ -99,6 +112,12 @@ def batch_indices(step: int, num_conversations: int, batch_size: int, seed: int)
     g = torch.Generator().manual_seed(seed * 1_000_003 + epoch)
     perm = torch.randperm(num_conversations, generator=g)
     return perm[pos * batch_size:(pos + 1) * batch_size].tolist()
+
+
+def anchor_generator(seed: int, step: int) -> torch.Generator:
+    """The random source of a block drafter's anchors at optimizer step `step`: a pure function of (seed, step),
+    so a resumed run draws the anchors an uninterrupted one would."""
+    return torch.Generator().manual_seed(seed * 1_000_003 + step * 7 + 1)
 
 
 # -- target information: where batches come from ----------------------------------------------------------------
@@ -239,14 +258,14 @@ def needs_parent(drafter: DrafterParams) -> bool:
 
 def build_drafter(target, drafter: DrafterParams, counts: torch.Tensor, head_init: str = "random"):
     """A fresh drafter sized from the target, with the draft vocabulary chosen from `counts`."""
-    from models.drafter import Drafter, DrafterConfig
+    from models.drafter import DrafterConfig, build_drafter as build_module
     from models.vocab import build_draft_vocab
 
-    cfg = DrafterConfig.from_target(target, variant=drafter.variant, depth=drafter.depth,
-                                    injection=drafter.injection, rope_fix=drafter.rope_fix,
-                                    draft_vocab_size=drafter.draft_vocab_size, fc_norm=drafter.fc_norm,
-                                    norm_output=drafter.norm_output, no_target=drafter.no_target)
-    model = Drafter(cfg)
+    try:
+        cfg = DrafterConfig.from_target(target, **drafter.module_options())
+    except ValueError as exc:
+        raise StageError(str(exc)) from None
+    model = build_module(cfg)
     d2t, _ = build_draft_vocab(counts, cfg.draft_vocab_size)
     model.set_vocab(d2t)
     head = target.lm_head.weight.detach().float().cpu() if head_init == "target" else None
@@ -395,7 +414,7 @@ def run(drafter: DrafterParams, params: TrainParams, run_dir: Path, paths: Paths
         for step in range(start, end):
             batch = src.batch(batch_indices(step, n_conv, params.batch_size, params.seed)).to(data_dtype, device)
             with _autocast(params, device):
-                out = ttt_step(model, batch, lm_head, params)
+                out = ttt_step(model, batch, lm_head, params, anchor_generator(params.seed, step))
             opt.zero_grad(set_to_none=True)
             out.loss.backward()
             grad_norm = torch.nn.utils.clip_grad_norm_(trainable, params.grad_clip)
@@ -435,10 +454,22 @@ def run(drafter: DrafterParams, params: TrainParams, run_dir: Path, paths: Paths
     return {**summary, "finished": True}
 
 
-def ttt_step(model, batch: TargetBatch, lm_head_weight: torch.Tensor, params: TrainParams):
-    """One K-step unroll over a batch (models.ttt), target logits from the last hidden state."""
+def ttt_step(model, batch: TargetBatch, lm_head_weight: torch.Tensor, params: TrainParams,
+             generator: torch.Generator | None = None):
+    """One K-step unroll over a batch (models.ttt), target logits from the last hidden state; a block drafter
+    runs its blocks at the anchors of this step instead (models.block)."""
     from models.ttt import ttt_unroll
 
+    if model.config.variant == "block":
+        from models.block import block_unroll, sample_anchors
+
+        anchors = sample_anchors(batch.loss_mask, batch.attention_mask, params.block_anchors or None, generator) \
+            if params.block_anchors else None
+        return block_unroll(model, batch.input_ids, batch.loss_mask, attention_mask=batch.attention_mask,
+                            features=batch.features if model.config.uses_features else None,
+                            target_kv=batch.kv if model.config.reads_kv else None,
+                            target_hidden=batch.last_hidden, lm_head_weight=lm_head_weight, anchors=anchors,
+                            decay=params.step_decay)
     return ttt_unroll(model, batch.input_ids, batch.loss_mask, attention_mask=batch.attention_mask,
                       features=batch.features if model.config.uses_features else None,
                       target_kv=batch.kv if model.config.reads_kv else None,

@@ -10,7 +10,7 @@ from pipeline.config import (ConfigError, expand_grid, flatten, load_config, par
 def test_every_profile_validates(profile):
     cfg = load_config(profile)
     assert cfg.profile == profile
-    assert set(cfg.studies) == {"injection", "depth", "hybrid", "scale"}
+    assert set(cfg.studies) == {"injection", "depth", "hybrid", "scale", "block"}
 
 
 def test_profiles_share_the_schema_of_params_yaml():
@@ -92,7 +92,8 @@ def test_options_added_later_keep_old_fingerprints_while_off():
 
     cfg = load_config("smoke")
     old = cfg.model_dump()
-    for key in ("fc_norm", "norm_output", "no_target"):
+    for key in ("fc_norm", "norm_output", "no_target", "block_size", "context"):
         old["drafter"].pop(key)
+    old["train"].pop("block_anchors")
     assert config_hash(cfg) == config_hash(old)
     assert config_hash(with_values(cfg, {"drafter.fc_norm": True})) != config_hash(cfg)

@@ -55,3 +55,28 @@ def test_e2e_stage_names_a_bad_input(tmp_path, run_dir, embedded_target):
     with pytest.raises(StageError, match="no prompts"):
         run(E2EParams(), [run_dir], Paths(tmp_path), lambda *a, **k: None, target=TargetParams(),
             loaded_target=embedded_target)
+
+
+def test_e2e_stage_decodes_a_block_drafter_with_its_own_trees(tmp_path, embedded_target):
+    """A block drafter proposes one block per round, decoded losslessly, its tree picked among its own candidates."""
+    from models.drafter import DrafterConfig, build_drafter
+    from stages.checkpoint import save_run, trainable_weights
+
+    torch.manual_seed(0)
+    cfg = DrafterConfig.from_target(embedded_target, variant="block", context="kv", block_size=4,
+                                    draft_vocab_size=2048)
+    d = tmp_path / "runs" / "block" / "block-kv"
+    save_run(d, {"drafter": cfg.to_dict(), "params": {"drafter": {"init": "ckpt"}, "train": {"scale": "small"}}},
+             trainable_weights(build_drafter(cfg)))
+    prompts = tmp_path / "prompts.jsonl"
+    write_text_atomic(prompts, json.dumps({"id": "0", "source": "t", "messages": [
+        {"role": "user", "content": "Say hello."}]}) + "\n")
+    params = E2EParams(prompts=str(prompts), num_prompts=1, max_new_tokens=8, paper_tree=[3, 3, 8],
+                       tree_candidates=[[2, 1, 3]], block_tree_candidates=[[3, 1, 4], [2, 2, 5]],
+                       prompt_lookup=False)
+    rows = run(params, [d], Paths(tmp_path), lambda m, step=None: None, target=TargetParams(),
+               loaded_target=embedded_target)
+    assert [r["tree_kind"] for r in rows] == ["tuned", "paper"]
+    assert rows[0]["variant"] == "block" and rows[0]["context"] == "kv" and rows[0]["study"] == "block"
+    assert tuple(rows[0]["tree"]) in {(3, 1, 4), (2, 2, 5)} and all(r["lossless"] for r in rows)
+    assert len(rows[0]["per_prompt"]["rounds"]) == 1

@@ -15,7 +15,7 @@ import pytest
 pytestmark = pytest.mark.slow
 
 BIN = Path(sys.executable).parent
-STUDIES = ("injection", "depth", "hybrid", "scale")
+STUDIES = ("injection", "depth", "hybrid", "scale", "block")
 
 
 def kvshot(*args: str, env: dict, cwd: Path | None = None, timeout: int = 1500) -> subprocess.CompletedProcess:

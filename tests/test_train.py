@@ -320,3 +320,30 @@ def test_cache_of_another_target_is_refused(tmp_path, target):
         run(DrafterParams(), TrainParams(max_steps=1), tmp_path / "r", Paths(tmp_path), Log(),
             target=TargetParams(), loaded_target=target)
     assert "\n" not in str(e.value)
+
+
+@pytest.mark.parametrize("context", ["hidden", "kv", "both"])
+def test_block_drafters_train_resume_and_evaluate(tmp_path, target, source, context):
+    """The block variant through the same train stage: anchors drawn per step as a pure function of (seed, step),
+    so a killed run resumes to the same weights; the evaluate stage scores block position k+1 as step k."""
+    from stages.evaluate import EvalParams
+    from stages.evaluate import run as evaluate
+
+    block = DrafterParams(variant="block", context=context, block_size=5, draft_vocab_size=48)
+    whole, _ = train(tmp_path / "whole", target, source, block, max_steps=4, block_anchors=3)
+    assert whole["finished"]
+    half, _ = train(tmp_path / "half", target, source, block, max_steps=4, block_anchors=3, stop_after=2)
+    assert not half["finished"]
+    rest, _ = train(tmp_path / "half", target, source, block, max_steps=4, block_anchors=3)
+    a, b = load_file(tmp_path / "whole" / ckpt.MODEL_FILE), load_file(tmp_path / "half" / ckpt.MODEL_FILE)
+    assert a.keys() == b.keys() and "mask_embedding" in a
+    for k in a:
+        assert torch.equal(a[k], b[k]), k
+    rows = evaluate(EvalParams(batch_size=2), [tmp_path / "whole"], Paths(tmp_path), Log(), target=TargetParams(),
+                    source=source, loaded_target=target)
+    r = rows[0]
+    assert r["variant"] == "block" and r["context"] == context and r["block_size"] == 5
+    assert len(r["acc"]) == 4 and r["train_steps"] == 4 and r["train_s_per_step"] > 0
+    with pytest.raises(StageError, match="block_size / drafter.context are options of the block variant"):
+        train(tmp_path / "bad", target, source, DrafterParams(variant="eagle3", context="kv", draft_vocab_size=48),
+              max_steps=1)
