@@ -21,7 +21,7 @@ console = Console(stderr=True)
 
 ProfileOpt = typer.Option(None, "--profile", "-p", help="Profile name (profiles/NAME.yaml), 'default', or a YAML path.")
 RootOpt = typer.Option(Path("."), "--root", help="Workspace root holding data/, runs/, metrics/ (DVC runs stages here).")
-OverridesArg = typer.Argument(None, help="Overrides KEY=VALUE, e.g. depth=2 train.lr=1e-4.")
+OverridesArg = typer.Argument(None, help="Overrides KEY=VALUE, e.g. depth=2 train.lr=1e-4 (`kvshot keys` lists the keys).")
 
 
 def _fail(message: str) -> None:
@@ -263,6 +263,25 @@ def repro(profile: Optional[str] = ProfileOpt,
         code = run_repro(cfg, profile or "default", force=force)
         if code:
             _fail(f"dvc repro failed (exit {code}); finished stages are kept, run again to resume")
+    _guarded(body)
+
+
+@app.command()
+def keys(pattern: Optional[str] = typer.Argument(None, help="Show only the keys that contain this text."),
+         profile: Optional[str] = ProfileOpt, root: Path = RootOpt):
+    """Every key an override can set (KEY=VALUE), with its value in the profile."""
+    def body():
+        import json
+
+        from pipeline.config import key_values
+        cfg = load_config(profile, [], root=root.resolve())
+        rows = [(k, v) for k, v in key_values(cfg) if not pattern or pattern in k]
+        if not rows:
+            _fail(f"no key contains {pattern!r} (`kvshot keys` lists all)")
+        width = max(len(k) for k, _ in rows)
+        for key, value in rows:
+            text = json.dumps(value, default=str, separators=(", ", ": "))
+            print(f"{key:<{width}}  {text if len(text) <= 80 else text[:77] + '...'}")
     _guarded(body)
 
 
