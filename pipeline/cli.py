@@ -287,10 +287,13 @@ def keys(pattern: Optional[str] = typer.Argument(None, help="Show only the keys 
 
 @app.command()
 def ui(port: int = typer.Option(5000, help="Port on 127.0.0.1."), root: Path = RootOpt):
-    """Serve the MLflow UI for this project's runs on 127.0.0.1."""
+    """Serve the MLflow UI for this project's runs on 127.0.0.1 (Ctrl-C stops it)."""
     def body():
-        from pipeline.ui import serve
-        serve(root.resolve(), port=port)
+        from pipeline.ui import UIError, serve
+        try:
+            serve(root.resolve(), port=port)
+        except UIError as exc:
+            _fail(str(exc))
     _guarded(body)
 
 

@@ -134,6 +134,10 @@ def test_ui_serves_the_project_runs_on_localhost(cfg, tmp_path):
         with urllib.request.urlopen(req, timeout=10) as resp:
             names = [e["name"] for e in json.load(resp)["experiments"]]
         assert "kvshot-uitest" in names
+        # the index page starts a browser that never chose a view on the training-runs view (pipeline.ui_app)
+        with urllib.request.urlopen(server.url + "/", timeout=10) as resp:
+            page = resp.read().decode()
+        assert "mlflow.workflowType_v1" in page and "machine_learning" in page and "static-files/" in page
     finally:
         server.stop()
     assert not server.alive() and not answers(server.url)
