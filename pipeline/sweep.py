@@ -333,10 +333,19 @@ def ray_temp_dir(paths: Paths) -> Path:
     return Path(tempfile.gettempdir()) / f"kvshot-ray-{digest}"
 
 
+def quiet_ray_output() -> None:
+    """What the workers print reaches the driver's log as they print it: without Ray's `(pid=...)` prefix (every
+    line kvshot prints names its study and trial) and without folding similar lines of several workers into
+    "[repeated 2x across cluster]" (which would swallow progress lines). Ray reads both when first imported."""
+    os.environ.setdefault("RAY_DISABLE_WORKER_LOG_PREFIX", "1")
+    os.environ.setdefault("RAY_DEDUP_LOGS", "0")
+
+
 @contextmanager
 def ray_session(params: Any, paths: Paths) -> Iterator[None]:
     """Ray for a sweep: reuse one already initialised in this process, join RAY_ADDRESS / ray.address, or start
     a local one (shut down again at the end)."""
+    quiet_ray_output()
     import ray
 
     if ray.is_initialized():

@@ -36,7 +36,8 @@ from typing import Callable, Literal, Protocol
 
 from pydantic import Field
 
-from stages.common import Paths, Report, Section, StageError, TargetParams, atomic_path, read_jsonl
+from stages.common import (Paths, Report, Section, StageError, StageProgress, TargetParams, atomic_path,
+                           read_jsonl)
 
 EVAL = "eval"
 
@@ -361,14 +362,9 @@ def select_needed(rows: list[dict], largest_scale: int | None) -> list[dict]:
 
 # -- progress ------------------------------------------------------------------------------------------------------
 
-def _progress():
-    from rich.console import Console
-    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, \
-        TimeRemainingColumn
-
-    return Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(),
-                    TextColumn("conv  {task.fields[tokens]:,} tok  {task.fields[tps]:.0f} tok/s"),
-                    TimeElapsedColumn(), TimeRemainingColumn(), console=Console(stderr=True), transient=False)
+def _progress() -> StageProgress:
+    """A bar on a terminal, a line every few seconds in a log (a regeneration can take hours)."""
+    return StageProgress()
 
 
 # -- the stage -----------------------------------------------------------------------------------------------------
@@ -427,7 +423,8 @@ def regenerate_rows(rows: list[dict], final: Path, params: RegenerateParams, tar
     t0 = time.perf_counter()
     new_tokens = 0
     with _progress() as bar:
-        task = bar.add_task(label, total=len(order), completed=resumed + len(kept_as_is), tokens=tokens, tps=0.0)
+        task = bar.add_task(label, total=len(order), unit="conv", note="{tokens:,} tok, {tps:.0f} tok/s",
+                            completed=resumed + len(kept_as_is), tokens=tokens, tps=0.0)
         if params.workers > 1 and todo:
             new_tokens = _run_ray(todo, final, params, target, paths, fp, bar, task, done)
         elif todo:
