@@ -174,6 +174,7 @@ class _Task:
     t0: float
     last_line: float
     start_completed: float = 0.0
+    printed: float | None = None      # `completed` at the last line printed
     ended: bool = False
 
 
@@ -239,6 +240,10 @@ class StageProgress:
     def __exit__(self, *exc: Any) -> None:
         if self._bar is not None:
             self._bar.stop()
+            return
+        for task_id, t in self._tasks.items():   # a task left short of its total (stopped early, interrupted)
+            if not t.ended and t.completed != t.printed:
+                self._print(task_id, self._clock())
 
     def add_task(self, description: str, total: float | None, unit: str = "items", note: str = "",
                  completed: float = 0, **fields: Any) -> int:
@@ -297,5 +302,9 @@ class StageProgress:
             return
         t.ended = bool(t.total) and t.completed >= t.total
         if t.ended or now - t.last_line >= self.every_s:
-            t.last_line = now
-            self.console.print(self.line(task_id, now), highlight=False, markup=False, soft_wrap=True)
+            self._print(task_id, now)
+
+    def _print(self, task_id: int, now: float) -> None:
+        t = self._tasks[task_id]
+        t.last_line, t.printed = now, t.completed
+        self.console.print(self.line(task_id, now), highlight=False, markup=False, soft_wrap=True)

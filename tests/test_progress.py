@@ -53,7 +53,11 @@ def test_slow_rates_read_per_minute_and_a_terminal_gets_a_live_bar_instead():
         task = bar.add_task("train depth/kv_only-d1", total=100, unit="steps")
         clock.t = 120
         bar.advance(task, 1)
-    assert out.getvalue().strip() == "train depth/kv_only-d1: 1/100 steps (1%), 0.5 steps/min, 3:18:00 left"
+        clock.t = 130                               # stopped short of its total: a last line on the way out
+        bar.advance(task, 1)
+    assert out.getvalue().splitlines() == [
+        "train depth/kv_only-d1: 1/100 steps (1%), 0.5 steps/min, 3:18:00 left",
+        "train depth/kv_only-d1: 2/100 steps (2%), 0.9 steps/min, 1:46:10 left"]
     live = StageProgress(Console(file=io.StringIO(), force_terminal=True))
     assert live.live
 
