@@ -21,7 +21,8 @@ console = Console(stderr=True)
 
 ProfileOpt = typer.Option(None, "--profile", "-p", help="Profile name (profiles/NAME.yaml), 'default', or a YAML path.")
 RootOpt = typer.Option(Path("."), "--root", help="Workspace root holding data/, runs/, metrics/ (DVC runs stages here).")
-OverridesArg = typer.Argument(None, help="Overrides KEY=VALUE, e.g. depth=2 train.lr=1e-4 (`kvshot keys` lists the keys).")
+OverridesArg = typer.Argument(None, help="Overrides KEY=VALUE, e.g. depth=2 train.lr=1e-4 "
+                                           "(`kvshot keys` lists the keys).")
 
 
 def _fail(message: str) -> None:
