@@ -22,7 +22,8 @@ console = Console(stderr=True)
 
 ProfileOpt = typer.Option(None, "--profile", "-p", help="Profile name (profiles/NAME.yaml), 'default', or a YAML path.")
 RootOpt = typer.Option(Path("."), "--root", help="Workspace root holding data/, runs/, metrics/ (DVC runs stages here).")
-OverridesArg = typer.Argument(None, help="Overrides KEY=VALUE, e.g. depth=2 train.lr=1e-4.")
+OverridesArg = typer.Argument(None, help="Overrides KEY=VALUE, e.g. depth=2 train.lr=1e-4 "
+                                           "(`kvshot keys` lists the keys).")
 
 
 def _fail(message: str) -> None:
@@ -320,11 +321,33 @@ def repro(profile: Optional[str] = ProfileOpt,
 
 
 @app.command()
-def ui(port: int = typer.Option(5000, help="Port on 127.0.0.1."), root: Path = RootOpt):
-    """Serve the MLflow UI for this project's runs on 127.0.0.1."""
+def keys(pattern: Optional[str] = typer.Argument(None, help="Show only the keys that contain this text."),
+         profile: Optional[str] = ProfileOpt, root: Path = RootOpt):
+    """Every key an override can set (KEY=VALUE), with its value in the profile."""
     def body():
-        from pipeline.ui import serve
-        serve(root.resolve(), port=port)
+        import json
+
+        from pipeline.config import key_values
+        cfg = load_config(profile, [], root=root.resolve())
+        rows = [(k, v) for k, v in key_values(cfg) if not pattern or pattern in k]
+        if not rows:
+            _fail(f"no key contains {pattern!r} (`kvshot keys` lists all)")
+        width = max(len(k) for k, _ in rows)
+        for key, value in rows:
+            text = json.dumps(value, default=str, separators=(", ", ": "))
+            print(f"{key:<{width}}  {text if len(text) <= 80 else text[:77] + '...'}")
+    _guarded(body)
+
+
+@app.command()
+def ui(port: int = typer.Option(5000, help="Port on 127.0.0.1."), root: Path = RootOpt):
+    """Serve the MLflow UI for this project's runs on 127.0.0.1 (Ctrl-C stops it)."""
+    def body():
+        from pipeline.ui import UIError, serve
+        try:
+            serve(root.resolve(), port=port)
+        except UIError as exc:
+            _fail(str(exc))
     _guarded(body)
 
 

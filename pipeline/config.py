@@ -5,6 +5,7 @@ value whole (`e2e.paper_tree=[8,10,60]`); short keys resolve when unambiguous (`
 """
 from __future__ import annotations
 
+import difflib
 import itertools
 from pathlib import Path
 from typing import Any
@@ -88,8 +89,44 @@ def _leaf_keys(model: type[BaseModel], prefix: str = "") -> list[str]:
 LEAF_KEYS: list[str] = _leaf_keys(Config)
 
 
+KEYS_HINT = "`kvshot keys` lists all"
+
+
+def key_values(cfg: "Config") -> list[tuple[str, Any]]:
+    """Every overridable key with its value in `cfg` (`kvshot keys`); dict-valued keys hold their whole dict."""
+    tree = cfg.model_dump()
+    out = []
+    for key in LEAF_KEYS:
+        node: Any = tree
+        for part in key.split("."):
+            node = node[part]
+        out.append((key, node))
+    return out
+
+
+def close_keys(key: str, candidates: list[str] | None = None, n: int = 3) -> list[str]:
+    """The valid keys closest to a mistyped one: by its last part (`dpeth` -> drafter.depth), else as a whole."""
+    candidates = LEAF_KEYS if candidates is None else candidates
+    by_last: dict[str, list[str]] = {}
+    for k in candidates:
+        by_last.setdefault(k.rsplit(".", 1)[-1], []).append(k)
+    found = [k for last in difflib.get_close_matches(key.rsplit(".", 1)[-1], list(by_last), n, 0.7)
+             for k in by_last[last]]
+    if not found:   # the whole key (a typo in the section): a shared section alone does not make keys close
+        found = difflib.get_close_matches(key, candidates, n, 0.8)
+    return list(dict.fromkeys(found))[:n]
+
+
+def unknown_key_message(key: str, candidates: list[str] | None = None) -> str:
+    """`unknown key 'dpeth'; did you mean drafter.depth? (`kvshot keys` lists all)`: never the whole list."""
+    near = close_keys(key, candidates)
+    guess = f"; did you mean {' or '.join(near)}?" if near else ""
+    return f"unknown key {key!r}{guess} ({KEYS_HINT})"
+
+
 def resolve_key(key: str) -> str:
-    """Full dotted key for a full or short key; an unknown or ambiguous key is a ConfigError listing choices."""
+    """Full dotted key for a full or short key; an unknown key is a ConfigError naming the closest valid keys, an
+    ambiguous one lists its choices."""
     if key in LEAF_KEYS:
         return key
     matches = [k for k in LEAF_KEYS if k.endswith("." + key)]
@@ -101,7 +138,7 @@ def resolve_key(key: str) -> str:
     for k in LEAF_KEYS:
         if key.startswith(k + "."):
             return key
-    raise ConfigError(f"unknown key {key!r}; valid keys: {', '.join(LEAF_KEYS)}")
+    raise ConfigError(unknown_key_message(key))
 
 
 def _split_values(text: str) -> list[str]:
@@ -174,8 +211,31 @@ def _validate(tree: dict, origin: str) -> Config:
         loc = ".".join(str(p) for p in err["loc"])
         bad = err.get("input")
         got = f" (got {bad!r})" if not isinstance(bad, dict) else ""
-        extra = f"; valid keys: {', '.join(LEAF_KEYS)}" if err["type"] == "extra_forbidden" else ""
-        raise ConfigError(f"{origin}: {loc}: {err['msg']}{got}{extra}") from None
+        if err["type"] == "extra_forbidden":
+            siblings = _sibling_keys([str(p) for p in err["loc"]])
+            raise ConfigError(f"{origin}: {unknown_key_message(loc, siblings + LEAF_KEYS)}") from None
+        raise ConfigError(f"{origin}: {loc}: {err['msg']}{got}") from None
+
+
+def _sibling_keys(loc: list[str]) -> list[str]:
+    """Dotted names of the fields beside an unknown one (so `studies.depth.grdi` can suggest its `grid`)."""
+    model: Any = Config
+    prefix: list[str] = []
+    parts = loc[:-1]
+    i = 0
+    while i < len(parts):
+        field = model.model_fields.get(parts[i]) if isinstance(model, type) and issubclass(model, BaseModel) else None
+        if field is None:
+            return []
+        prefix.append(parts[i])
+        model, i = field.annotation, i + 1
+        args = getattr(model, "__args__", ())
+        if getattr(model, "__origin__", None) is dict and len(args) == 2 and i < len(parts):
+            prefix.append(parts[i])   # a dict of sections (studies.<name>): the next part is a name, not a field
+            model, i = args[1], i + 1
+    if not (isinstance(model, type) and issubclass(model, BaseModel)):
+        return []
+    return [".".join(prefix + [name]) for name in model.model_fields]
 
 
 # -- profiles ----------------------------------------------------------------------------------------------------

@@ -364,10 +364,19 @@ def ray_temp_dir(paths: Paths) -> Path:
     return Path(tempfile.gettempdir()) / f"kvshot-ray-{digest}"
 
 
+def quiet_ray_output() -> None:
+    """What the workers print reaches the driver's log as they print it: without Ray's `(pid=...)` prefix (every
+    line kvshot prints names its study and trial) and without folding similar lines of several workers into
+    "[repeated 2x across cluster]" (which would swallow progress lines). Ray reads both when first imported."""
+    os.environ.setdefault("RAY_DISABLE_WORKER_LOG_PREFIX", "1")
+    os.environ.setdefault("RAY_DEDUP_LOGS", "0")
+
+
 @contextmanager
 def ray_session(params: Any, paths: Paths) -> Iterator[None]:
     """Ray for a sweep: reuse one already initialised in this process, join RAY_ADDRESS / ray.address, or start
     a local one (shut down again at the end)."""
+    quiet_ray_output()
     import ray
 
     if ray.is_initialized():
@@ -434,19 +443,47 @@ class _Forward:
         self.rows: dict[str, dict] = {}
         self.reported: dict[str, set[str]] = {}   # metric keys a trial sent live, per trial
 
-    def start(self, name: str, announce: bool = True) -> None:
+    def _params_tags(self, t: Trial) -> tuple[dict[str, Any], dict[str, Any]]:
+        """A trial's child-run params (every resolved value, the swept ones also as sweep.*) and tags."""
         from pipeline.config import flatten
 
+        tags = {"trial": t.name, "variant": t.variant, "fingerprint": t.fingerprint, "git_commit": self.commit,
+                "depends_on": t.depends_on or "", **{f"data_hash.{k}": v for k, v in t.data_hashes.items()}}
+        params = flatten(t.config)
+        params.update({f"sweep.{k}": v for k, v in t.values.items()})
+        return params, tags
+
+    def start(self, name: str, announce: bool = True) -> None:
         t = self.trials[name]
         if announce:
             self.console.print(f"[cyan]start[/] {t.study}/{name}")
         if self.tracker is None or name in self.run_ids:
             return
-        tags = {"trial": name, "variant": t.variant, "fingerprint": t.fingerprint, "git_commit": self.commit,
-                "depends_on": t.depends_on or "", **{f"data_hash.{k}": v for k, v in t.data_hashes.items()}}
-        params = flatten(t.config)
-        params.update({f"sweep.{k}": v for k, v in t.values.items()})
+        params, tags = self._params_tags(t)
         self.run_ids[name] = self.tracker.start_run(name, self.parent_id, params=params, tags=tags)
+
+    def reused(self, name: str, row: dict) -> None:
+        """A finished child run for a trial this sweep did not train (its fingerprint finished before, in this
+        study or another): the same params and the row's metrics, tagged with where it was trained, so the parent
+        run lists every trial of the study and MLflow can compare them all in one place."""
+        from pipeline.tracking import REUSED_FROM, run_link
+
+        if self.tracker is None or name in self.run_ids:
+            return
+        t = self.trials[name]
+        origin = row.get(REUSED_FROM) or f"{t.study}/{name}"
+        params, tags = self._params_tags(t)
+        tags[REUSED_FROM] = origin
+        note = f"Not trained in this sweep: the result of {origin}, a trial with the same fingerprint."
+        source = self.tracker.trained_run(t.fingerprint)
+        if source is not None:
+            tags["reused_from_run_id"] = source.info.run_id
+            note += f" [Its training run]({run_link(source)})."
+        tags["mlflow.note.content"] = note
+        run_id = self.tracker.start_run(name, self.parent_id, params=params, tags=tags)
+        self.run_ids[name] = run_id
+        self.tracker.log_row(run_id, row)
+        self.tracker.end_run(run_id)
 
     def message(self, name: str, msg: dict) -> None:
         if name not in self.run_ids:
@@ -601,6 +638,9 @@ def run_sweep(trials: list[Trial], paths: Paths, trial_fn: TrialFn = run_trial, 
             params={"sweep.study": study, "sweep.trials": len(trials), "sweep.keys": ",".join(varying_keys(trials))},
             tags={"sweep": "parent", "git_commit": commit, "skipped": ",".join(skipped)})
     forward = _Forward(tracker, parent_id, by_name, commit, console)
+    for t in trials:   # trials already finished get their child run now: the parent lists the whole study
+        if t.name in rows:
+            forward.reused(t.name, rows[t.name])
     submitted: list[str] = []
 
     try:

@@ -4,6 +4,9 @@ Only one process writes to the backend: the sweep driver. Trials send their metr
 Tune results and the driver logs them here, so concurrent trials never contend for the sqlite file ("database is
 locked"); writes are still retried briefly in case another tool (a UI, a standalone stage) holds the lock.
 
+Every experiment kvshot creates or reuses is tagged as a model-training experiment (mlflow.experimentKind), so
+MLflow presents it as training runs rather than as a GenAI app's traces.
+
 Tracking URI: MLFLOW_TRACKING_URI, else tracking.uri, else sqlite:///<root>/mlflow.db. Artifacts of a local
 backend go to <root>/<tracking.artifact_root> (explicitly, never relative to the working directory); with a
 remote server the server's artifact store is used unless tracking.artifact_root is itself a URI.
@@ -24,6 +27,10 @@ from stages.common import Report
 T = TypeVar("T")
 _BAD_KEY = re.compile(r"[^A-Za-z0-9_\-. :/]")
 _MAX_PARAM = 6000   # MLflow's limit on a param value
+# MLflow 3 files an experiment under a kind; without one its UI treats it as a GenAI app (traces, no runs table).
+EXPERIMENT_KIND_TAG = "mlflow.experimentKind"
+TRAINING_KIND = "custom_model_development"
+REUSED_FROM = "reused_from"   # tag of a child run whose trial was trained elsewhere: "<study>/<trial>"
 
 
 def tracking_uri(params: Any, root: Path) -> str:
@@ -104,20 +111,37 @@ class Tracker:
         self.uri = tracking_uri(params, self.root)
         self.client = MlflowClient(tracking_uri=self.uri)
         self.study = study
+        self.prefix = params.experiment_prefix if params is not None else "kvshot"
         self.experiment = experiment_name(params, study)
         self.experiment_id = self._experiment(artifact_location(params, self.root, self.uri))
 
     def _experiment(self, location: str | None) -> str:
         exp = _retry(lambda: self.client.get_experiment_by_name(self.experiment))
         if exp is not None:
+            mark_training(self.client, exp)   # an experiment of an older workspace gets its kind too
             return exp.experiment_id
         try:
-            return _retry(lambda: self.client.create_experiment(self.experiment, artifact_location=location))
+            return _retry(lambda: self.client.create_experiment(
+                self.experiment, artifact_location=location, tags={EXPERIMENT_KIND_TAG: TRAINING_KIND}))
         except Exception:  # noqa: BLE001 - another process created it first
             exp = self.client.get_experiment_by_name(self.experiment)
             if exp is None:
                 raise
+            mark_training(self.client, exp)
             return exp.experiment_id
+
+    def trained_run(self, fingerprint: str) -> Any | None:
+        """The latest finished run, in any of this project's experiments, that trained the trial with this
+        fingerprint (a run that itself reused a result does not count), or None."""
+        if not fingerprint:
+            return None
+        exps = _retry(lambda: self.client.search_experiments(filter_string=f"name LIKE '{self.prefix}-%'"))
+        if not exps:
+            return None
+        runs = _retry(lambda: self.client.search_runs(
+            [e.experiment_id for e in exps], filter_string=f"tags.fingerprint = '{fingerprint}'",
+            order_by=["attributes.start_time DESC"], max_results=50))
+        return next((r for r in runs if r.info.status == "FINISHED" and REUSED_FROM not in r.data.tags), None)
 
     # -- runs ------------------------------------------------------------------------------------------------
 
@@ -181,6 +205,29 @@ class Tracker:
         if error:
             self.set_tags(run_id, {"error": error})
         _retry(lambda: self.client.set_terminated(run_id, status="FINISHED" if ok else "FAILED"))
+
+
+def mark_training(client: Any, experiment: Any) -> None:
+    """Tag an experiment as model training unless it already is (or a user gave it another kind)."""
+    if EXPERIMENT_KIND_TAG not in (experiment.tags or {}):
+        _retry(lambda: client.set_experiment_tag(experiment.experiment_id, EXPERIMENT_KIND_TAG, TRAINING_KIND))
+
+
+def mark_project_experiments(params: Any, root: Path) -> list[Any]:
+    """Tag every experiment of the project (`<prefix>-*`) as model training; returns them (oldest first)."""
+    from mlflow.tracking import MlflowClient
+
+    client = MlflowClient(tracking_uri=tracking_uri(params, Path(root)))
+    prefix = params.experiment_prefix if params is not None else "kvshot"
+    exps = _retry(lambda: client.search_experiments(filter_string=f"name LIKE '{prefix}-%'"))
+    for exp in exps:
+        mark_training(client, exp)
+    return sorted(exps, key=lambda e: int(e.experiment_id) if str(e.experiment_id).isdigit() else 0)
+
+
+def run_link(run: Any) -> str:
+    """The UI's address of a run, relative to the server (`#/experiments/<id>/runs/<run>`)."""
+    return f"#/experiments/{run.info.experiment_id}/runs/{run.info.run_id}"
 
 
 def alpha_figure(curves: dict[str, list[float]]):

@@ -101,6 +101,15 @@ def trained_run_dirs(run_dirs, none_given: str) -> list[Path]:
     return dirs
 
 
+def variant_of(run_dir: Path) -> str | None:
+    """The drafter variant a run (or export) directory holds, from its config alone (None when unreadable)."""
+    try:
+        config = json.loads((Path(run_dir) / CONFIG_FILE).read_text())
+    except (OSError, json.JSONDecodeError):
+        return None
+    return (config.get("drafter") or {}).get("variant") or ("eagle3" if "export" in config else None)
+
+
 def trainable_weights(model: torch.nn.Module) -> dict[str, torch.Tensor]:
     """The drafter's state dict without the frozen target embedding (d2t / t2d buffers included)."""
     return {k: v for k, v in model.state_dict().items() if k not in FROZEN}

@@ -1,9 +1,12 @@
-"""What every stage shares: artifact paths, atomic writes, the metrics callback type and the target section."""
+"""What every stage shares: artifact paths, atomic writes, the metrics callback type, the target section and the
+progress display of a stage's loops."""
 from __future__ import annotations
 
 import json
 import os
+import sys
 import tempfile
+import time
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
@@ -132,10 +135,176 @@ def set_threads(n: int) -> None:
         torch.set_num_threads(n)
 
 
+def quiet_library_bars() -> None:
+    """Off a terminal, silence the weight-loading and download bars of transformers / huggingface_hub: in a log
+    (DVC, Ray workers, nohup) each is a burst of carriage-return lines, not progress anyone can read."""
+    if sys.stderr.isatty():
+        return
+    os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
+    try:
+        from transformers.utils import logging as hf_logging
+    except ImportError:
+        return
+    hf_logging.disable_progress_bar()
+
+
 def load_target_for(params: TargetParams, paths: Paths):
     """Load the configured target (the embedded one cached as safetensors under scratch/ for fast reloads)."""
     from models.target import load_target
 
+    quiet_library_bars()
     set_threads(params.threads)
     return load_target(params.source, dtype=params.dtype, device=params.device, cache_dir=paths.model_cache,
                        feature_layers=params.feature_layers, kv_layers=params.kv_layers)
+
+
+# -- progress --------------------------------------------------------------------------------------------------------
+
+PROGRESS_EVERY_S = 20.0   # how often a log gets a progress line of a running task
+
+
+@dataclass
+class _Task:
+    description: str
+    total: float | None
+    unit: str
+    note: str
+    completed: float
+    fields: dict[str, Any]
+    t0: float
+    last_line: float
+    start_completed: float = 0.0
+    printed: float | None = None      # `completed` at the last line printed
+    ended: bool = False
+
+
+def _duration(seconds: float) -> str:
+    s = int(round(max(seconds, 0.0)))
+    return f"{s // 3600}:{s % 3600 // 60:02d}:{s % 60:02d}" if s >= 3600 else f"{s // 60}:{s % 60:02d}"
+
+
+def _count(x: float) -> str:
+    return f"{int(x):,}" if float(x).is_integer() else f"{x:,.1f}"
+
+
+def _rate(per_s: float, unit: str) -> str:
+    if per_s >= 10:
+        return f"{per_s:,.0f} {unit}/s"
+    if per_s >= 1:
+        return f"{per_s:.1f} {unit}/s"
+    if per_s * 60 >= 0.1:
+        return f"{per_s * 60:.1f} {unit}/min"
+    return f"{per_s * 3600:.1f} {unit}/h"
+
+
+class StageProgress:
+    """The progress of a stage's loops: a live rich bar on a terminal; anywhere else (the logs of DVC, Ray workers,
+    nohup) a line every `every_s` seconds and one when a task ends, with done/total, rate and time left, so a long
+    stage never looks hung in a log.
+
+        with StageProgress() as bar:
+            task = bar.add_task("regenerate sharegpt", total=400, unit="conv", note="{tokens:,} tok", tokens=0)
+            bar.advance(task, 1, tokens=1234)
+
+    `note` is formatted with the task's fields (given to add_task, advance or update) and shown after the counts.
+    """
+
+    def __init__(self, console: Any = None, every_s: float = PROGRESS_EVERY_S,
+                 clock: Callable[[], float] = time.monotonic):
+        from rich.console import Console
+
+        self.console = console or Console(stderr=True)
+        self.live = self.console.is_terminal
+        self.every_s, self._clock = every_s, clock
+        self._tasks: dict[int, _Task] = {}
+        self._bar = self._rich_bar() if self.live else None
+
+    def _rich_bar(self):
+        from rich.progress import (BarColumn, MofNCompleteColumn, Progress, ProgressColumn, TextColumn,
+                                   TimeElapsedColumn, TimeRemainingColumn)
+        from rich.text import Text
+
+        class Note(ProgressColumn):
+            def render(self, task):
+                return Text(task.fields["note"].format(**task.fields) if task.fields.get("note") else "")
+
+        return Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(),
+                        TextColumn("{task.fields[unit]}"), Note(), TimeElapsedColumn(), TimeRemainingColumn(),
+                        console=self.console, transient=False)
+
+    def __enter__(self) -> "StageProgress":
+        if self._bar is not None:
+            self._bar.start()
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        if self._bar is not None:
+            self._bar.stop()
+            return
+        for task_id, t in self._tasks.items():   # a task left short of its total (stopped early, interrupted)
+            if not t.ended and t.completed != t.printed:
+                self._print(task_id, self._clock())
+
+    def add_task(self, description: str, total: float | None, unit: str = "items", note: str = "",
+                 completed: float = 0, **fields: Any) -> int:
+        now = self._clock()
+        if self._bar is not None:
+            task_id = self._bar.add_task(description, total=total, completed=completed, unit=unit, note=note,
+                                         **fields)
+        else:
+            task_id = len(self._tasks)
+        self._tasks[task_id] = _Task(description, total, unit, note, completed, dict(fields), now, now,
+                                     start_completed=completed)
+        self._maybe_print(task_id, now)
+        return task_id
+
+    def advance(self, task_id: int, n: float = 1, **fields: Any) -> None:
+        self.update(task_id, completed=self._tasks[task_id].completed + n, **fields)
+
+    def update(self, task_id: int, completed: float | None = None, **fields: Any) -> None:
+        t = self._tasks[task_id]
+        if completed is not None:
+            t.completed = completed
+        t.fields.update(fields)
+        if self._bar is not None:
+            self._bar.update(task_id, completed=t.completed, **fields)
+        self._maybe_print(task_id, self._clock())
+
+    def line(self, task_id: int, now: float | None = None) -> str:
+        """`regenerate sharegpt: 120/400 conv (30%), 1.6 conv/min, 2:55:00 left; 12,345 tok`."""
+        t = self._tasks[task_id]
+        now = self._clock() if now is None else now
+        elapsed = now - t.t0
+        rate = (t.completed - t.start_completed) / elapsed if elapsed > 0 else 0.0
+        text = f"{t.description}: {_count(t.completed)}"
+        if t.total:
+            text += f"/{_count(t.total)} {t.unit}"
+            if not t.ended:
+                text += f" ({100 * t.completed / t.total:.0f}%)"
+        else:
+            text += f" {t.unit}"
+        if t.ended:
+            text += f" in {_duration(elapsed)}"
+        if rate > 0:
+            text += f", {_rate(rate, t.unit)}"
+            if t.total and not t.ended:
+                text += f", {_duration((t.total - t.completed) / rate)} left"
+        if t.note:
+            text += "; " + t.note.format(**t.fields)
+        return text
+
+    def _maybe_print(self, task_id: int, now: float) -> None:
+        """Off a terminal: a line when the task ends, else when `every_s` passed since its last line."""
+        if self.live:
+            return
+        t = self._tasks[task_id]
+        if t.ended:
+            return
+        t.ended = bool(t.total) and t.completed >= t.total
+        if t.ended or now - t.last_line >= self.every_s:
+            self._print(task_id, now)
+
+    def _print(self, task_id: int, now: float) -> None:
+        t = self._tasks[task_id]
+        t.last_line, t.printed = now, t.completed
+        self.console.print(self.line(task_id, now), highlight=False, markup=False, soft_wrap=True)

@@ -122,13 +122,13 @@ def run(params: E2EParams, run_dirs, paths: Paths, report: Report, *, target: Ta
     another on the same prompt, so that a drift of the machine's speed during the run reaches every row alike.
     """
     import torch
-    from rich.progress import Progress
 
     from models.decoding import (DrafterProposer, LookupProposer, TreeSpec, greedy_generate,
                                  prompt_lookup_generate, speculative_generate)
     from models.decoding.block_proposer import BlockProposer
     from models.quant import quantize_linears_int8
     from stages import checkpoint as ckpt
+    from stages.common import StageProgress
 
     run_dirs = ckpt.trained_run_dirs(
         run_dirs, "e2e: no trained drafters (train a study marked e2e, or set e2e.checkpoints=[RUN_DIR])")
@@ -162,9 +162,9 @@ def run(params: E2EParams, run_dirs, paths: Paths, report: Report, *, target: Ta
 
     plan: list[tuple[str, dict, str, TreeSpec, int]] = []               # (method, setting, tree kind, tree, lookup)
     k = min(TUNE_PROMPTS, len(prompts))
-    with Progress(transient=False) as bar:
-        tune = bar.add_task("e2e: tune trees", total=len(run_dirs) * len(lookups) * max(len(candidates),
-                                                                                         len(block_candidates)) * k)
+    with StageProgress() as bar:
+        tunes = sum(len(block_candidates) if ckpt.variant_of(r) == "block" else len(candidates) for r in run_dirs)
+        tune = bar.add_task("e2e tune trees", total=tunes * len(lookups) * k, unit="prompts")
         for i, run_dir in enumerate(run_dirs):
             drafter, config = ckpt.load_drafter(run_dir, tgt)
             if params.drafter_weights == "int8":
@@ -187,7 +187,7 @@ def run(params: E2EParams, run_dirs, paths: Paths, report: Report, *, target: Ta
             methods[plan[-1][0]] = drafted(drafter, paper, 0)
 
         results: dict[str, list] = {name: [] for name in methods}
-        task = bar.add_task("e2e: decode", total=len(prompts) * len(methods))
+        task = bar.add_task("e2e decode", total=len(prompts) * len(methods), unit="decodes")
         for p in prompts:
             for name, decode in methods.items():
                 results[name].append(decode(p))

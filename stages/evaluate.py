@@ -209,14 +209,14 @@ def run(params: EvalParams, run_dirs: list[Path], paths: Paths, report: Report, 
     Each drafter's α_k and acc_k curves go to `report({"alpha": α_k, "acc": acc_k}, step=k)`. Rows are returned,
     not written (the sweep runner writes metrics/stepwise/<study>.json, e.g. with `write_stepwise`).
     """
-    from rich.progress import Progress
+    from stages.common import StageProgress
 
     run_dirs = ckpt.trained_run_dirs(run_dirs, "evaluate: no run directories given")
     tgt = loaded_target if loaded_target is not None else load_target_for(target, paths)
     src = source if source is not None else open_eval_source(params, paths, tgt, data=data, features=features)
     lm_head = tgt.lm_head.weight.detach()
     rows = []
-    with Progress(transient=False) as bar:
+    with StageProgress() as bar:
         for run_dir in run_dirs:
             model, config = ckpt.load_drafter(run_dir, tgt)
             trained = config.get("params", {}).get("train", {})
@@ -224,7 +224,7 @@ def run(params: EvalParams, run_dirs: list[Path], paths: Paths, report: Report, 
             steps = min(params.steps, steps) if params.steps and model.config.variant == "block" else \
                 params.steps or steps
             precision = params.precision or trained.get("precision", "fp32")
-            task = bar.add_task(f"eval {run_dir.name}", total=len(src))
+            task = bar.add_task(f"eval {run_dir.name}", total=len(src), unit="conv")
             per_conv = evaluate_drafter(model, src, lm_head, steps, params.batch_size, precision,
                                         progress=lambda n: bar.advance(task, n))
             counts = sum(per_conv[1:], per_conv[0])

@@ -26,8 +26,8 @@ from typing import Iterable, Literal
 
 from pydantic import Field
 
-from stages.common import Paths, Report, Section, StageError, TargetParams, atomic_path, read_jsonl, \
-    write_json_atomic
+from stages.common import (Paths, Report, Section, StageError, StageProgress, TargetParams, atomic_path,
+                           read_jsonl, write_json_atomic)
 
 FORMAT = "kvshot-features/1"
 EVAL = "eval"
@@ -344,7 +344,6 @@ def load_regenerated(paths: Paths, data) -> list[dict]:
 def run(params: FeaturesParams, target: TargetParams, data, paths: Paths, report: Report) -> None:
     """Tokenise, mask and (offline) run the target over the eval split and every scale; write the caches."""
     from rich.console import Console
-    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
     from stages.regenerate import load_tokenizer
 
@@ -371,10 +370,13 @@ def run(params: FeaturesParams, target: TargetParams, data, paths: Paths, report
     drops: dict[str, list[tuple[int, str]]] = {k: [] for k in sets}
     items = {k: tokenize_rows(v, tok, params.max_len, drops[k]) for k, v in sets.items()}
     total_tokens = sum(len(it.ids) for v in items.values() for it in v)
-    with Progress(TextColumn("features"), BarColumn(), MofNCompleteColumn(), TextColumn("tokens"),
-                  TimeElapsedColumn(), console=console) as bar:
-        task = bar.add_task("features", total=total_tokens)
-        step = lambda ntok, nconv: bar.advance(task, ntok)  # noqa: E731
+    with StageProgress(console) as bar:
+        task = bar.add_task("features", total=total_tokens, unit="tok", note="{conv:,} conv", conv=0)
+        convs = [0]
+
+        def step(ntok: int, nconv: int) -> None:
+            convs[0] += nconv
+            bar.advance(task, ntok, conv=convs[0])
         records = {}
         for name in (EVAL, largest_name):
             out = paths.features(name)

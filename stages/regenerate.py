@@ -36,7 +36,8 @@ from typing import Callable, Literal, Protocol
 
 from pydantic import Field
 
-from stages.common import Paths, Report, Section, StageError, TargetParams, atomic_path, read_jsonl
+from stages.common import (Paths, Report, Section, StageError, StageProgress, TargetParams, atomic_path,
+                           read_jsonl)
 
 EVAL = "eval"
 
@@ -361,14 +362,9 @@ def select_needed(rows: list[dict], largest_scale: int | None) -> list[dict]:
 
 # -- progress ------------------------------------------------------------------------------------------------------
 
-def _progress():
-    from rich.console import Console
-    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, \
-        TimeRemainingColumn
-
-    return Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(),
-                    TextColumn("conv  {task.fields[tokens]:,} tok  {task.fields[tps]:.0f} tok/s"),
-                    TimeElapsedColumn(), TimeRemainingColumn(), console=Console(stderr=True), transient=False)
+def _progress() -> StageProgress:
+    """A bar on a terminal, a line every few seconds in a log (a regeneration can take hours)."""
+    return StageProgress()
 
 
 # -- the stage -----------------------------------------------------------------------------------------------------
@@ -427,18 +423,22 @@ def regenerate_rows(rows: list[dict], final: Path, params: RegenerateParams, tar
     t0 = time.perf_counter()
     new_tokens = 0
     with _progress() as bar:
-        task = bar.add_task(label, total=len(order), completed=resumed + len(kept_as_is), tokens=tokens, tps=0.0)
+        task = bar.add_task(label, total=len(order), unit="conv", note="{tokens:,} tok, {tps:.0f} tok/s",
+                            completed=resumed + len(kept_as_is), tokens=tokens, tps=0.0)
         if params.workers > 1 and todo:
             new_tokens = _run_ray(todo, final, params, target, paths, fp, bar, task, done)
         elif todo:
             backend = backend or make_backend(params, target, paths)
             writer = PartialWriter(partial_path(final, 0), fp)
 
+            live = [0]   # tokens of the conversations this run finished, counted as they finish (for the log)
+
             def sink(row: dict) -> None:
                 if row["id"] not in done:  # a recomputed window: keep what the earlier run wrote
                     writer(row)
                     done[row["id"]] = row
-                bar.advance(task)
+                    live[0] += row.get("gen_tokens", 0)
+                bar.advance(task, tokens=tokens + live[0], tps=live[0] / max(time.perf_counter() - t0, 1e-9))
 
             try:
                 for w, win in todo:
@@ -447,8 +447,6 @@ def regenerate_rows(rows: list[dict], final: Path, params: RegenerateParams, tar
                     bar.advance(task, -already)  # recounted by the sink
                     _, n = regenerate_window(win, backend, sink)
                     new_tokens += n
-                    dt = time.perf_counter() - t0
-                    bar.update(task, tokens=tokens + new_tokens, tps=new_tokens / max(dt, 1e-9))
             finally:
                 writer.close()
     done = {**finished, **read_partials(final, fp), **kept_as_is}
@@ -491,12 +489,13 @@ def _run_ray(todo, final, params, target, paths, fp, bar, task, done) -> int:
         fresh = [r for r in win if r["id"] not in done]
         pending[actors[j % len(actors)].window.remote(w, win, [r["id"] for r in win if r["id"] in done])] = len(fresh)
     t0, new_tokens = time.perf_counter(), 0
+    before = sum(d.get("gen_tokens", 0) for d in done.values())
     while pending:
         ready, _ = ray.wait(list(pending), num_returns=1)
         n_tok = ray.get(ready[0])
         new_tokens += n_tok
-        bar.advance(task, pending.pop(ready[0]))
-        bar.update(task, tps=new_tokens / max(time.perf_counter() - t0, 1e-9))
+        bar.advance(task, pending.pop(ready[0]), tokens=before + new_tokens,
+                    tps=new_tokens / max(time.perf_counter() - t0, 1e-9))
     for a in actors:
         ray.kill(a)
     return new_tokens

@@ -18,7 +18,7 @@ import torch
 from pydantic import Field
 
 from stages import checkpoint as ckpt
-from stages.common import Paths, Report, Section, StageError, TargetParams, load_target_for
+from stages.common import Paths, Report, Section, StageError, StageProgress, TargetParams, load_target_for
 
 Variant = Literal["eagle3", "kv_only", "hybrid", "cross_only", "block"]
 CKPT_CHILDREN = ("hybrid", "cross_only")   # variants whose init=ckpt loads a trained eagle3 drafter
@@ -332,12 +332,9 @@ def _autocast(params: TrainParams, device: torch.device):
     return torch.autocast(device.type, dtype=torch.bfloat16, enabled=params.precision == "bf16")
 
 
-def _progress():
-    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
-
-    return Progress(TextColumn("[bold]train[/] {task.description}"), BarColumn(), MofNCompleteColumn(),
-                    TextColumn("{task.fields[tps]:>7.0f} tok/s  loss {task.fields[loss]:.3f}"),
-                    TimeRemainingColumn(), transient=False)
+def _progress() -> StageProgress:
+    """A bar on a terminal; in a log (DVC, a Ray worker, nohup) a line every few seconds."""
+    return StageProgress()
 
 
 def run(drafter: DrafterParams, params: TrainParams, run_dir: Path, paths: Paths, report: Report, *,
@@ -409,8 +406,10 @@ def run(drafter: DrafterParams, params: TrainParams, run_dir: Path, paths: Paths
             extra={"config": config, "tokens": tokens, "wall_s": wall_before + time.perf_counter() - t_start}))
 
     with _progress() as bar:
-        task = bar.add_task(f"{drafter.variant} d{drafter.depth}", total=steps, completed=start, tps=0.0,
-                            loss=float("nan"))
+        # named by study/trial: concurrent trials of a sweep print to the same log
+        task = bar.add_task(f"train {run_dir.parent.name}/{run_dir.name}", total=steps, unit="steps",
+                            note="loss {loss:.3f}, α0 {alpha0:.3f}, {tps:.0f} tok/s", completed=start, tps=0.0,
+                            loss=float("nan"), alpha0=float("nan"))
         for step in range(start, end):
             batch = src.batch(batch_indices(step, n_conv, params.batch_size, params.seed)).to(data_dtype, device)
             with _autocast(params, device):
@@ -431,11 +430,7 @@ def run(drafter: DrafterParams, params: TrainParams, run_dir: Path, paths: Paths
                 dt = max(time.perf_counter() - win_t0, 1e-9)
                 metrics = step_metrics(out, window, loss_value, lr, float(grad_norm), win_tokens / dt)
                 report(metrics, done)
-                bar.update(task, tps=win_tokens / dt)
-                if not bar.console.is_terminal:     # logs (DVC, Ray, nohup) get a line instead of a live bar
-                    bar.console.print(f"train {drafter.variant} d{drafter.depth} step {done}/{steps} "
-                                      f"loss {loss_value:.3f} α0 {metrics['alpha_0']:.3f} "
-                                      f"{metrics['tokens_per_s']:.0f} tok/s", highlight=False)
+                bar.update(task, tps=win_tokens / dt, alpha0=metrics["alpha_0"])
                 window, win_tokens, win_t0 = None, 0, time.perf_counter()
             bar.update(task, completed=done, loss=loss_value)
             if done % params.checkpoint_every == 0 and done < end:

@@ -17,7 +17,7 @@ def test_help_lists_every_command():
     out = run("--help")
     assert out.returncode == 0
     for command in ("prepare", "regenerate", "features", "train", "evaluate", "e2e", "report", "sweep", "repro",
-                    "ui"):
+                    "ui", "keys"):
         assert command in out.stdout
     for command in ("prepare", "sweep", "repro"):
         assert run(command, "--help").returncode == 0
@@ -38,7 +38,8 @@ def test_sweep_dry_run_of_a_study_includes_its_baseline():
 
 
 @pytest.mark.parametrize("args, needle", [
-    (("sweep", "bogus=1", "--dry-run"), "unknown key 'bogus'; valid keys:"),
+    (("sweep", "bogus=1", "--dry-run"), "unknown key 'bogus' (`kvshot keys` lists all)"),
+    (("train", "dpeth=2"), "unknown key 'dpeth'; did you mean drafter.depth?"),
     (("sweep", "depth=two", "--dry-run"), "drafter.depth"),
     (("prepare", "--profile", "nope"), "unknown profile 'nope'"),
     (("train", "variant=medusa"), "drafter.variant"),
@@ -86,3 +87,15 @@ def test_e2e_decodes_the_marked_studies_filtered_and_each_run_once(tmp_path):
     assert _e2e_run_dirs(cfg, Paths(tmp_path)) == [large, own]
     cfg = with_values(cfg, {"studies": {"scale": {"e2e": True}}})
     assert _e2e_run_dirs(cfg, Paths(tmp_path)) == [large, small]
+
+
+def test_keys_lists_every_key_with_its_value():
+    from pipeline.config import LEAF_KEYS
+
+    out = run("keys", "--profile", "smoke")
+    assert out.returncode == 0, out.stderr
+    listed = [ln.split()[0] for ln in out.stdout.splitlines() if ln.strip()]
+    assert listed == LEAF_KEYS
+    assert any(ln.split() == ["drafter.depth", "1"] for ln in out.stdout.splitlines())
+    only = run("keys", "depth", "--profile", "smoke")
+    assert only.returncode == 0 and [ln.split()[0] for ln in only.stdout.splitlines()] == ["drafter.depth"]

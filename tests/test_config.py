@@ -30,8 +30,27 @@ def test_short_keys_resolve_when_unambiguous():
 def test_ambiguous_and_unknown_keys_list_choices():
     with pytest.raises(ConfigError, match="ambiguous key 'max_new_tokens'.*regenerate.max_new_tokens.*e2e.max_new_tokens"):
         resolve_key("max_new_tokens")
-    with pytest.raises(ConfigError, match="unknown key 'bogus'; valid keys: .*drafter.depth"):
+    with pytest.raises(ConfigError, match=r"unknown key 'bogus' \(`kvshot keys` lists all\)$"):
         parse_overrides(["bogus=1"])
+
+
+@pytest.mark.parametrize("key, guess", [
+    ("dpeth", "drafter.depth"), ("drafter.dpeth", "drafter.depth"), ("trian.lr", "train.lr"),
+    ("max_concurent", "ray.max_concurrent"), ("max_new_token", "regenerate.max_new_tokens or e2e.max_new_tokens"),
+])
+def test_unknown_keys_suggest_the_closest_never_the_whole_list(key, guess):
+    with pytest.raises(ConfigError) as info:
+        parse_overrides([f"{key}=1"])
+    assert str(info.value) == f"unknown key {key!r}; did you mean {guess}? (`kvshot keys` lists all)"
+
+
+def test_unknown_keys_in_a_profile_suggest_their_neighbours(tmp_path):
+    for section, guess in (("drafter:\n  dpeth: 2\n", "drafter.depth"), ("trian:\n  lr: 0.1\n", "train"),
+                           ("studies:\n  depth:\n    grdi: {}\n", "studies.depth.grid")):
+        (tmp_path / "p.yaml").write_text(section)
+        with pytest.raises(ConfigError, match=f"did you mean {guess}\\? \\(`kvshot keys` lists all\\)") as info:
+            load_config(str(tmp_path / "p.yaml"))
+        assert len(str(info.value).split(": ", 1)[1]) < 100   # never the ~90 valid keys
 
 
 def test_grid_axes_and_list_values():
@@ -66,7 +85,7 @@ def test_unknown_profile_and_bad_yaml(tmp_path):
         load_config(str(bad))
     extra = tmp_path / "extra.yaml"
     extra.write_text("drafter: {detph: 2}\n")
-    with pytest.raises(ConfigError, match="drafter.detph.*valid keys"):
+    with pytest.raises(ConfigError, match="drafter.detph.; did you mean drafter.depth"):
         load_config(str(extra))
 
 

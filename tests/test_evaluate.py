@@ -158,5 +158,6 @@ def test_rows_keep_per_conversation_counts_and_both_families(tmp_path, target, t
     assert r["step_mat"] == pytest.approx(mat(r["acc"])) and r["chain_mat"] == pytest.approx(mat(r["alpha"]))
     assert r["chains"] == r["counts"]["chain"] and 0 <= r["agreement"] <= 1
     assert r["acc_6_se"] >= 0 and "alpha_6_se" in r
-    out = capsys.readouterr().out
+    captured = capsys.readouterr()
+    out = captured.out + captured.err
     assert "acc_6" in out and "(se" in out

@@ -110,7 +110,8 @@ def test_sweeps_track_in_mlflow_and_skip_finished_trials(smoke):
                               (exp,)).fetchone()[0]
     children = [r for r, in db.execute("select run_uuid from tags where key='mlflow.parentRunId' and value=?",
                                        (first_parent,))]
-    assert len(children) == 2
+    reused = {r for r, in db.execute("select run_uuid from tags where key='reused_from'")}
+    assert len(children) == 3 and len(set(children) & reused) == 1   # the adopted depth 2 is listed too
     for child in children:
         keys = {k for k, in db.execute("select key from params where run_uuid=?", (child,))}
         assert {"drafter.depth", "train.lr"} <= keys

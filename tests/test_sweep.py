@@ -353,13 +353,32 @@ def test_sweep_tracks_reruns_nothing_and_grows(ray_local, project):
     assert grown.ran == ["kv_only-d4"] and len(grown.skipped) == 3
     assert _calls(project).count("kv_only-d4") == 1 and len(_calls(project)) == 4
     _, parents, children = _runs(project)
-    assert len(parents) == 3 and len(children) == 4
+    trained = [c for c in children if "reused_from" not in c.data.tags]
+    assert len(parents) == 3 and len(trained) == 4 and len(children) == 3 + 3 + 4
+    for parent, planned in zip(sorted(parents, key=lambda r: r.info.start_time), (3, 3, 4)):
+        # every parent lists every trial of its sweep: those it trained and those it reused
+        assert len([c for c in children if c.data.tags["mlflow.parentRunId"] == parent.info.run_id]) == planned
     assert len(json.loads(project.stepwise_metrics("adhoc").read_text())) == 4
 
     # another study planning the same trials adopts the finished runs instead of training them again
     other = run_sweep(plan(cfg, parse_overrides(["depth=1,2"]), "other"), project, trial_fn=quick_trial)
     assert other.ran == [] and len(other.skipped) == 2 and len(_calls(project)) == 4
     assert {r["reused_from"] for r in other.rows} == {"adhoc/kv_only-d1", "adhoc/kv_only-d2"}
+    # ... and its MLflow parent lists them as child runs that point to the runs that trained them
+    client, (other_parent,), adopted = _runs(project, "other")
+    by_name = {c.info.run_name: c for c in trained}
+    assert sorted(c.info.run_name for c in adopted) == ["kv_only-d1", "kv_only-d2"]
+    for child in adopted:
+        source = by_name[child.info.run_name]
+        assert child.data.tags["mlflow.parentRunId"] == other_parent.info.run_id
+        assert child.data.tags["reused_from"] == f"adhoc/{child.info.run_name}"
+        assert child.data.tags["reused_from_run_id"] == source.info.run_id
+        assert child.data.tags["fingerprint"] == source.data.tags["fingerprint"]
+        assert child.data.params["drafter.depth"] == source.data.params["drafter.depth"]
+        assert child.data.metrics["mat"] == pytest.approx(rows[child.info.run_name]["mat"])
+        assert sorted(m.step for m in client.get_metric_history(child.info.run_id, "alpha")) == list(range(7))
+        assert child.info.status == "FINISHED"
+    assert client.get_experiment_by_name("kvshot-other").tags["mlflow.experimentKind"] == "custom_model_development"
     assert (project.run_dir("other", "kv_only-d1") / "fingerprint").is_file()
     assert [r["trial"] for r in json.loads(project.stepwise_metrics("other").read_text())] == ["kv_only-d1",
                                                                                              "kv_only-d2"]

@@ -61,6 +61,28 @@ def test_parent_child_runs_with_params_curves_and_artifacts(cfg, tmp_path):
     assert Tracker(cfg.tracking, tmp_path, "unit").experiment_id == tracker.experiment_id
 
 
+def test_experiments_are_model_training_experiments_old_ones_too(cfg, tmp_path):
+    from mlflow.tracking import MlflowClient
+
+    from pipeline.tracking import mark_project_experiments
+
+    tracker = Tracker(cfg.tracking, tmp_path, "fresh")
+    kind = "mlflow.experimentKind"
+    assert tracker.client.get_experiment(tracker.experiment_id).tags[kind] == "custom_model_development"
+    # experiments an older kvshot made carry no kind: reusing one marks it, and so does `kvshot ui`
+    client = MlflowClient(tracking_uri=tracking_uri(cfg.tracking, tmp_path))
+    old = client.create_experiment("kvshot-old", artifact_location=(tmp_path / "mlruns").as_uri())
+    other = client.create_experiment("kvshot-older", artifact_location=(tmp_path / "mlruns").as_uri())
+    mine = client.create_experiment("someone-else", artifact_location=(tmp_path / "mlruns").as_uri())
+    Tracker(cfg.tracking, tmp_path, "old")
+    assert client.get_experiment(old).tags[kind] == "custom_model_development"
+    assert kind not in client.get_experiment(other).tags
+    assert [e.name for e in mark_project_experiments(cfg.tracking, tmp_path)] == ["kvshot-fresh", "kvshot-old",
+                                                                                  "kvshot-older"]
+    assert client.get_experiment(other).tags[kind] == "custom_model_development"
+    assert kind not in client.get_experiment(mine).tags       # not kvshot's: left alone
+
+
 def test_retry_waits_out_a_locked_database():
     calls = []
 
@@ -112,6 +134,10 @@ def test_ui_serves_the_project_runs_on_localhost(cfg, tmp_path):
         with urllib.request.urlopen(req, timeout=10) as resp:
             names = [e["name"] for e in json.load(resp)["experiments"]]
         assert "kvshot-uitest" in names
+        # the index page starts a browser that never chose a view on the training-runs view (pipeline.ui_app)
+        with urllib.request.urlopen(server.url + "/", timeout=10) as resp:
+            page = resp.read().decode()
+        assert "mlflow.workflowType_v1" in page and "machine_learning" in page and "static-files/" in page
     finally:
         server.stop()
     assert not server.alive() and not answers(server.url)

@@ -1,0 +1,157 @@
+"""Progress in logs: off a terminal every stage loop prints lines with done/total, rate and time left."""
+from __future__ import annotations
+
+import io
+import json
+import re
+
+import pytest
+import torch
+from rich.console import Console
+
+from stages.common import Paths, StageProgress, TargetParams, write_text_atomic
+
+# `<label>: <done>/<total> <unit> ...`: a progress line as a log shows it
+LINE = re.compile(r"^(?P<label>[^:\n]+): (?P<done>[\d,.]+)/(?P<total>[\d,.]+) (?P<unit>\S+)", re.M)
+
+
+def _lines(text: str, label: str) -> list[re.Match]:
+    return [m for m in LINE.finditer(text) if m["label"].startswith(label)]
+
+
+class Clock:
+    def __init__(self):
+        self.t = 0.0
+
+    def __call__(self) -> float:
+        return self.t
+
+
+def test_a_log_gets_a_line_every_interval_and_at_the_end():
+    out, clock = io.StringIO(), Clock()
+    console = Console(file=out, force_terminal=False, width=200)
+    with StageProgress(console, every_s=20, clock=clock) as bar:
+        assert not bar.live
+        task = bar.add_task("regenerate sharegpt", total=400, unit="conv", note="{tokens:,} tok", tokens=0)
+        clock.t = 10
+        bar.advance(task, 40, tokens=5000)         # within the interval: nothing yet
+        assert out.getvalue() == ""
+        clock.t = 25
+        bar.advance(task, 60, tokens=12345)        # 100 conv in 25 s: 4 conv/s, 300 left -> 75 s
+        clock.t = 30
+        bar.advance(task, 1)
+        clock.t = 100
+        bar.update(task, completed=400)
+    lines = out.getvalue().splitlines()
+    assert lines == ["regenerate sharegpt: 100/400 conv (25%), 4.0 conv/s, 1:15 left; 12,345 tok",
+                     "regenerate sharegpt: 400/400 conv in 1:40, 4.0 conv/s; 12,345 tok"]
+
+
+def test_slow_rates_read_per_minute_and_a_terminal_gets_a_live_bar_instead():
+    out, clock = io.StringIO(), Clock()
+    with StageProgress(Console(file=out, force_terminal=False), every_s=20, clock=clock) as bar:
+        task = bar.add_task("train depth/kv_only-d1", total=100, unit="steps")
+        clock.t = 120
+        bar.advance(task, 1)
+        clock.t = 130                               # stopped short of its total: a last line on the way out
+        bar.advance(task, 1)
+    assert out.getvalue().splitlines() == [
+        "train depth/kv_only-d1: 1/100 steps (1%), 0.5 steps/min, 3:18:00 left",
+        "train depth/kv_only-d1: 2/100 steps (2%), 0.9 steps/min, 1:46:10 left"]
+    live = StageProgress(Console(file=io.StringIO(), force_terminal=True))
+    assert live.live
+
+
+# -- every stage, with a captured (non-terminal) output ------------------------------------------------------------
+
+def test_regenerate_prints_progress(tmp_path, capsys):
+    from stages.regenerate import RegenerateParams, regenerate_rows
+    from test_regenerate import EchoBackend, conv
+
+    regenerate_rows([conv(i) for i in range(5)], tmp_path / "out.jsonl", RegenerateParams(batch_size=2, window=1),
+                    TargetParams(), Paths(tmp_path), backend=EchoBackend(), label="regenerate uc")
+    (line,) = _lines(capsys.readouterr().err, "regenerate uc")
+    assert (line["done"], line["total"], line["unit"]) == ("5", "5", "conv")
+    assert re.search(r"; 21 tok, \d+ tok/s$", line.string[line.start():].splitlines()[0])   # counted live
+
+
+def test_features_prints_progress(tmp_path, capsys):
+    from stages.features import FeaturesParams, run
+    from stages.prepare import DataParams
+    from test_features import _rows, project_paths
+
+    paths = project_paths(tmp_path)
+    out = paths.regenerated("uc")
+    out.parent.mkdir(parents=True)
+    out.write_text("".join(json.dumps(r) + "\n" for r in _rows(1, "eval") + _rows(3, "train")))
+    data = DataParams(sources={"uc": {"kind": "local", "path": "x"}}, eval_size=1, scales={"small": 3})
+    run(FeaturesParams(max_len=48, offline=False), TargetParams(), data, paths, lambda m, step=None: None)
+    (line,) = _lines(capsys.readouterr().err, "features")
+    assert line["done"] == line["total"] and line["unit"] == "tok" and "4 conv" in line.string
+
+
+@pytest.fixture(scope="module")
+def tiny_run(tmp_path_factory):
+    """A tiny target and a drafter trained on it for a few steps (train prints its progress too)."""
+    from stages.train import DrafterParams, TrainParams, online_source
+    from stages.train import run as train_run
+    from test_train import conversations, peaked_target
+
+    target = peaked_target()
+    run_dir = tmp_path_factory.mktemp("runs") / "study" / "kv_only-d1"
+    train_run(DrafterParams(variant="kv_only", draft_vocab_size=40),
+              TrainParams(max_steps=4, batch_size=2, precision="fp32", log_every=2), run_dir, Paths(run_dir),
+              lambda m, step=None: None, target=TargetParams(), source=online_source(target, conversations(n=4)),
+              loaded_target=target)
+    return target, run_dir
+
+
+def test_train_prints_progress(tmp_path, capsys):
+    from stages.train import DrafterParams, TrainParams, online_source
+    from stages.train import run as train_run
+    from test_train import conversations, peaked_target
+
+    target = peaked_target()
+    run_dir = tmp_path / "runs" / "depth" / "eagle3"
+    train_run(DrafterParams(variant="eagle3", draft_vocab_size=40),
+              TrainParams(max_steps=3, batch_size=2, precision="fp32", log_every=1), run_dir, Paths(tmp_path),
+              lambda m, step=None: None, target=TargetParams(), source=online_source(target, conversations(n=4)),
+              loaded_target=target)
+    (line,) = _lines(capsys.readouterr().err, "train depth/eagle3")
+    assert (line["done"], line["total"], line["unit"]) == ("3", "3", "steps") and "loss" in line.string
+
+
+def test_evaluate_prints_progress(tiny_run, tmp_path, capsys):
+    from stages.evaluate import EvalParams, run
+    from stages.train import online_source
+    from test_train import conversations
+
+    target, run_dir = tiny_run
+    run(EvalParams(batch_size=2), [run_dir], Paths(tmp_path), lambda m, step=None: None, target=TargetParams(),
+        source=online_source(target, conversations(n=3, T=14, seed=1)), loaded_target=target)
+    (line,) = _lines(capsys.readouterr().err, "eval kv_only-d1")
+    assert (line["done"], line["total"], line["unit"]) == ("3", "3", "conv")
+
+
+def test_e2e_prints_progress(tmp_path, embedded_target, capsys):
+    from models.drafter import Drafter, DrafterConfig
+    from stages.checkpoint import save_run, trainable_weights
+    from stages.e2e import E2EParams, run
+
+    torch.manual_seed(0)
+    cfg = DrafterConfig.from_target(embedded_target, variant="eagle3", draft_vocab_size=256)
+    run_dir = tmp_path / "runs" / "depth" / "eagle3"
+    save_run(run_dir, {"drafter": cfg.to_dict(), "params": {"drafter": {}, "train": {}}},
+             trainable_weights(Drafter(cfg)))
+    prompts = tmp_path / "prompts.jsonl"
+    write_text_atomic(prompts, json.dumps({"id": "0", "source": "t", "messages": [
+        {"role": "user", "content": "Say hello."}]}) + "\n")
+    params = E2EParams(prompts=str(prompts), num_prompts=1, max_new_tokens=4, paper_tree=[2, 1, 2],
+                       tree_candidates=[[2, 1, 2]], prompt_lookup=False, lookup_tokens=0)
+    run(params, [run_dir], Paths(tmp_path), lambda m, step=None: None, target=TargetParams(),
+        loaded_target=embedded_target)
+    err = capsys.readouterr().err
+    (tune,) = _lines(err, "e2e tune trees")
+    (decode,) = _lines(err, "e2e decode")
+    assert tune["done"] == tune["total"] and decode["done"] == decode["total"] == "4"   # greedy, spec_off, 2 trees
+    assert decode["unit"] == "decodes"
