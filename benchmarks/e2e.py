@@ -28,6 +28,7 @@ import torch  # noqa: E402
 
 from models.decoding import (DecodeResult, DrafterProposer, LookupProposer, OracleProposer, TreeSpec,  # noqa: E402
                              greedy_generate, lossless_at_near_tie, prompt_lookup_generate, speculative_generate)
+from models.decoding.block_proposer import BlockProposer  # noqa: E402
 from models.quant import quantize_linears_int8  # noqa: E402
 from models.target import Target, load_target  # noqa: E402
 
@@ -68,10 +69,10 @@ def build_drafter(target: Target, checkpoint: str | None, variant: str):
 
         drafter, config = load_drafter(Path(checkpoint), target)
         return drafter, f"{drafter.config.variant}({Path(checkpoint).name})"
-    from models.drafter import Drafter, DrafterConfig
+    from models.drafter import DrafterConfig, build_drafter as build_module
 
     torch.manual_seed(0)
-    drafter = Drafter(DrafterConfig.from_target(target, variant=variant, draft_vocab_size=8192))
+    drafter = build_module(DrafterConfig.from_target(target, variant=variant, draft_vocab_size=8192))
     drafter.load_target_weights(target.embed_tokens.weight, target.lm_head.weight)
     return drafter.eval(), f"{variant}(untrained)"
 
@@ -202,7 +203,8 @@ def main(argv: list[str] | None = None) -> None:
             runs["lookup (our loop)"] = speculative_generate(target, prompt, n_new, LookupProposer(None, args.lookup),
                                                              [0, 1, 1], eos_token_id=eos)
         for name, model, spec, lookup in drafted:
-            proposer = DrafterProposer(model, target)
+            proposer = BlockProposer(model, target) if model.config.variant == "block" else \
+                DrafterProposer(model, target)
             runs[name] = speculative_generate(target, prompt, n_new,
                                               LookupProposer(proposer, lookup) if lookup else proposer, spec,
                                               eos_token_id=eos)
