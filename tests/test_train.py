@@ -320,3 +320,50 @@ def test_cache_of_another_target_is_refused(tmp_path, target):
         run(DrafterParams(), TrainParams(max_steps=1), tmp_path / "r", Paths(tmp_path), Log(),
             target=TargetParams(), loaded_target=target)
     assert "\n" not in str(e.value)
+
+
+def test_length_buckets_keep_each_epoch_whole_and_shrink_padding():
+    """Bucketed batches: still a pure function of the step, every conversation once per epoch, the short batch
+    last, window 1 the plain permutation, and less padding than the plain order."""
+    g = torch.Generator().manual_seed(0)
+    n, b = 103, 4
+    lengths = torch.randint(40, 360, (n,), generator=g)
+    per_epoch = math.ceil(n / b)
+
+    def padding(window: int, epoch: int) -> int:
+        total = 0
+        for i in range(per_epoch):
+            idx = batch_indices(epoch * per_epoch + i, n, b, 5, lengths, window)
+            total += sum(int(lengths[idx].max() - lengths[j]) for j in idx)
+        return total
+
+    for epoch in range(2):
+        batches = [batch_indices(epoch * per_epoch + i, n, b, 5, lengths, 8) for i in range(per_epoch)]
+        assert sorted(sum(batches, [])) == list(range(n))
+        assert [len(x) for x in batches] == [b] * (per_epoch - 1) + [n % b]
+        assert batches == [batch_indices(epoch * per_epoch + i, n, b, 5, lengths.tolist(), 8)
+                           for i in range(per_epoch)]
+        assert padding(8, epoch) < 0.5 * padding(1, epoch)
+    assert [batch_indices(s, n, b, 5, lengths, 1) for s in range(per_epoch)] == \
+        [batch_indices(s, n, b, 5) for s in range(per_epoch)]
+    assert batch_indices(0, n, b, 5, lengths, 8) != batch_indices(per_epoch, n, b, 5, lengths, 8)
+
+
+def test_old_cache_without_the_top1_trains_the_same_drafter(tmp_path, target):
+    """A cache written before the target's top-1 was stored trains the same weights (the teacher then takes the
+    two-matmul route) as one that has it."""
+    from test_features import strip_top1
+
+    convs = conversations(n=4)
+    params = TrainParams(max_steps=2, batch_size=2, precision="fp32", lr=3e-3)
+    weights = []
+    for name, strip in (("new", False), ("old", True)):
+        root = tmp_path / name
+        cache = write_cache(root / "data" / "features" / "small", target, convs)
+        if strip:
+            strip_top1(cache)
+        run(DrafterParams(variant="eagle3", draft_vocab_size=40), params, root / "runs" / "e", Paths(root), Log(),
+            target=TargetParams(), loaded_target=target)
+        weights.append(ckpt.load_run(root / "runs" / "e")[1])
+    for k in weights[0]:
+        torch.testing.assert_close(weights[0][k].float(), weights[1][k].float(), atol=1e-5, rtol=1e-5, msg=k)

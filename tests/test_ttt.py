@@ -366,3 +366,20 @@ def test_attention_of_query_rows_equals_the_full_layout(causal):
     gb = torch.autograd.grad(layers.take_rows(full, rows), (q, k, v, kc, vc), grad)
     for a, b in zip(ga, gb):
         torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("tail", [0, 1, 5], ids=["no-loss", "last-token", "short-chains"])
+def test_compact_unroll_when_little_or_nothing_is_scored(tail):
+    """No scored position (a zero loss that still backpropagates), or chains too short to reach step K-1."""
+    tgt = tiny("llama")
+    ids, feats, kv, logits = capture(tgt, B=2, T=8)
+    loss_mask = torch.zeros(2, 8)
+    loss_mask[:, 8 - tail:] = 1
+    for spec in (dict(variant="eagle3", depth=2), dict(variant="hybrid"), dict(variant="kv_only", no_target=True)):
+        d = make_drafter(tgt, **spec).train()
+        outs = [ttt_unroll(d, ids, loss_mask, features=feats, target_kv=kv, target_logits=logits, steps=7,
+                           compact=c) for c in (False, True)]
+        for out in outs:
+            out.loss.backward()
+        assert outs[1].counts == outs[0].counts
+        assert float(outs[1].loss.detach()) == pytest.approx(float(outs[0].loss.detach()), abs=1e-5)
