@@ -27,6 +27,7 @@ Inputs are plain tensors so the train stage can feed the offline cache or an onl
 """
 from __future__ import annotations
 
+import weakref
 from dataclasses import dataclass
 
 import torch
@@ -290,15 +291,20 @@ def _inverse(rows: torch.Tensor, n: int) -> torch.Tensor:
     return inv
 
 
+_DRAFT_ROWS: dict = {}
+
+
 def _draft_rows(weight: torch.Tensor, drafter: Drafter) -> torch.Tensor:
-    """The draft vocabulary's rows of the target's LM head, kept on the drafter until either changes."""
-    key = (weight.data_ptr(), weight._version, tuple(weight.shape), weight.dtype, drafter.d2t.data_ptr(),
-           drafter.d2t._version)
-    cached = getattr(drafter, "_draft_head_rows", None)
-    if cached is None or cached[0] != key:
-        cached = (key, weight.index_select(0, drafter.d2t.to(weight.device)))
-        drafter._draft_head_rows = cached
-    return cached[1]
+    """The draft vocabulary's rows of the target's LM head, kept (one entry, the head held weakly) until the head or
+    the vocabulary changes: the gather would otherwise be repeated every step."""
+    d2t = drafter.d2t
+    key = (weight._version, d2t.device, d2t.data_ptr(), d2t._version, tuple(d2t.shape))
+    ref = _DRAFT_ROWS.get("weight")
+    if ref is None or ref() is not weight or _DRAFT_ROWS.get("key") != key \
+            or not torch.equal(_DRAFT_ROWS["d2t"], d2t):
+        _DRAFT_ROWS.update(weight=weakref.ref(weight), key=key, d2t=d2t.clone(),
+                           rows=weight.index_select(0, d2t.to(weight.device)))
+    return _DRAFT_ROWS["rows"]
 
 
 @torch.no_grad()
@@ -320,7 +326,9 @@ def teacher_rows(drafter: Drafter, rows: torch.Tensor, target_logits: torch.Tens
     logits = F.linear(h.to(lm_head_weight.dtype), _draft_rows(lm_head_weight, drafter))
     top, arg = logits.max(-1)
     top1 = target_top1.reshape(-1).index_select(0, rows).long()
-    reach = top.float() >= target_top1_logit.reshape(-1).index_select(0, rows).float()
+    # compared in the logits' own precision (bf16 under autocast, even for an fp32 cache), as the two-matmul rule
+    # compares two maxima computed alike
+    reach = top >= target_top1_logit.reshape(-1).index_select(0, rows).to(top.dtype)
     inside = drafter.t2d[top1] | reach
     return torch.softmax(logits.float(), -1), torch.where(inside, arg, -1)
 

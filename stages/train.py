@@ -62,8 +62,10 @@ class TrainParams(Section):
     log_every: int = Field(10, ge=1)
     seed: int = 0
     # length bucketing: within windows of this many batches (of the epoch's seeded permutation) conversations are
-    # sorted by length before being cut into batches, whose order is then shuffled; less padding per batch. 1 = off
-    bucket_window: int = Field(8, ge=1)
+    # sorted by length before being cut into batches, whose order is then shuffled: less padding per batch, but
+    # other batches than the plain order (1, the default, keeps it). The unroll already skips most of padding's
+    # cost, so on the default chats it gains little (benchmarks/train.py measures it)
+    bucket_window: int = Field(1, ge=1)
     # LM head: random (EAGLE-3), or the target's rows of the draft vocabulary (trains slower early on: the target's
     # head expects the target's own hidden states, which a fresh drafter does not produce)
     head_init: Literal["random", "target"] = "random"

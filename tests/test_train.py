@@ -349,6 +349,20 @@ def test_length_buckets_keep_each_epoch_whole_and_shrink_padding():
     assert batch_indices(0, n, b, 5, lengths, 8) != batch_indices(per_epoch, n, b, 5, lengths, 8)
 
 
+def test_bucketed_run_resumes_bit_exactly(tmp_path, target):
+    """With length buckets the data order is still a function of the step: a resumed run ends where a whole one
+    does, having seen every conversation of the epoch."""
+    src = online_source(target, conversations(n=6, T=10))
+    whole, _ = train(tmp_path / "whole", target, src, bucket_window=2, max_steps=3)
+    train(tmp_path / "split", target, src, bucket_window=2, max_steps=3, stop_after=1)
+    rest, _ = train(tmp_path / "split", target, src, bucket_window=2, max_steps=3)
+    assert rest["finished"] and whole["tokens"] == rest["tokens"] == sum(len(i) for i, _ in conversations(n=6, T=10))
+    a = load_file(tmp_path / "whole" / ckpt.MODEL_FILE)
+    b = load_file(tmp_path / "split" / ckpt.MODEL_FILE)
+    for k in a:
+        assert torch.equal(a[k], b[k]), k
+
+
 def test_old_cache_without_the_top1_trains_the_same_drafter(tmp_path, target):
     """A cache written before the target's top-1 was stored trains the same weights (the teacher then takes the
     two-matmul route) as one that has it."""
