@@ -1,14 +1,19 @@
 """Training speed of each drafter variant: one TTT optimizer step (forward, backward, AdamW) on CPU.
 
 SmolLM2-135M shapes (d=576, 9/3 heads, head_dim 64, SwiGLU 1536, vocab 49152, 16k draft vocabulary), random
-target tensors (features, KV, last hidden; no model load), bf16 autocast, batch 1, every position scored
-(`--scored 0.5`: only the last half, as in a chat whose reply is half the tokens).
+target tensors (features, KV, last hidden and the cached top-1; no model load), bf16 autocast, batch 1, every
+position scored (`--scored 0.5`: only the last half, as in a chat whose reply is half the tokens).
 Prints per variant and length the K=7 and K=1 step times (median), their ratio, tokens/s and each variant's
 overhead over eagle3, then one summary line.
 Block drafters (`models.block`, one pass predicts block_size - 1 tokens): one `block_unroll` optimizer step per
 context source and depth, against eagle3's K=7 step at the same 7 predicted tokens (block_size 8), over every
 position as anchor or `--anchors N` random anchors per sequence; and the memory autograd keeps for backward at
 block sizes 4, 8, 16 (linear in B: the same increase per block position).
+overhead over eagle3; then loss tokens per second (`loss_throughput`): per variant on a realistic chat batch
+and on the anchor's shape, the default (compact) unroll against the full one over every position (`--no-compare`
+skips the latter), as multiples of the SpecForge anchor's step, and one epoch of chats in plain and length-bucketed
+order; then one summary line. On a machine shared with other work, `--threads 1 --clock process` (CPU time of
+this process) gives steadier ratios than wall time.
 
     python benchmarks/train.py [--seqs 512 1024] [--variants eagle3 kv_only hybrid] [--repeats 3]
                                [--blocks hidden kv both] [--block-depths 1 2] [--anchors 0 128]
@@ -41,6 +46,8 @@ VARIANTS = {
 }
 # the anchor: SpecForge's own eagle3 TTT on this machine (bf16 autocast, no compile), seconds per step
 ANCHOR = {512: {7: 0.92, 1: 0.29}, 1024: {7: 3.83, 1: 0.83}}
+# its K=7 step at seq 512 compiled (torch.compile); every one of its 512 positions is scored
+ANCHOR_COMPILED_512 = 0.83
 
 
 def batch(T: int, d: int, V: int, scored: float = 1.0, seed: int = 0) -> dict:
@@ -55,10 +62,16 @@ def batch(T: int, d: int, V: int, scored: float = 1.0, seed: int = 0) -> dict:
           for _ in range(3)]
     loss_mask = torch.zeros(1, T)
     loss_mask[:, T - int(round(scored * T)):] = 1          # the reply: the last `scored` share of the tokens
+    hidden = torch.randn(1, T, d, generator=g).to(bf)
     return dict(input_ids=torch.randint(0, V, (1, T), generator=g), loss_mask=loss_mask,
                 features=torch.randn(1, T, 3 * d, generator=g).to(bf), target_kv=kv,
-                target_hidden=torch.randn(1, T, d, generator=g).to(bf),
-                lm_head_weight=head)
+                target_hidden=hidden, lm_head_weight=head, **cached_top1(hidden, head))
+
+
+def cached_top1(hidden: torch.Tensor, head: torch.Tensor) -> dict:
+    """What the feature cache stores beside the last hidden state: the target's full-vocabulary top-1."""
+    top = torch.nn.functional.linear(hidden, head).max(-1)
+    return dict(target_top1=top.indices, target_top1_logit=top.values.float())
 
 
 def eagle3_flops(T: int, K: int, Vd: int, d: int = 576, H: int = 9, Hkv: int = 3, hd: int = 64,
@@ -112,6 +125,179 @@ def step_time(drafter: Drafter, opt, data: dict, steps: int | None, repeats: int
     return statistics.median(times)
 
 
+# -- loss tokens per second: what a step trains, per variant ---------------------------------------------------
+
+# The default profile's chats: one user turn of <= 256 prompt tokens (ShareGPT first turns in SmolLM2's chat
+# template; quantiles 0, 10, 25, 50, 75, 90, 100% of those that fit) and an assistant answer of <= 96 new tokens
+# plus its end-of-turn token, the loss on the answer; most answers reach the cap.
+PROMPT_QUANTILES = ([0.0, 0.1, 0.25, 0.5, 0.75, 0.9, 1.0], [31, 36, 41, 51, 84, 137, 251])
+MAX_ANSWER, CAPPED = 96, 0.7
+
+
+def chat_lengths(n: int, seed: int = 0) -> list[tuple[int, int]]:
+    """(prompt, answer) token counts of n conversations drawn like the default profile's chats."""
+    g = torch.Generator().manual_seed(seed)
+    qs, vs = PROMPT_QUANTILES
+    out = []
+    for _ in range(n):
+        u = float(torch.rand((), generator=g))
+        j = max(i for i in range(len(qs) - 1) if qs[i] <= u)
+        prompt = round(vs[j] + (vs[j + 1] - vs[j]) * (u - qs[j]) / (qs[j + 1] - qs[j]))
+        capped = float(torch.rand((), generator=g)) < CAPPED
+        answer = MAX_ANSWER if capped else int(torch.randint(16, MAX_ANSWER, (), generator=g))
+        out.append((prompt, answer + 1))
+    return out
+
+
+def chat_batch(lengths: list[tuple[int, int]], d: int, V: int, seed: int = 0) -> dict:
+    """A right-padded batch of chats (random target tensors as in `batch`), the loss on each answer."""
+    g = torch.Generator().manual_seed(seed)
+    bf = torch.bfloat16
+    B, T = len(lengths), max(p + a for p, a in lengths)
+    head = torch.randn(V, d, generator=g) * d ** -0.5
+    head[:16384] *= 3
+    head = head.to(bf)
+    attention_mask, loss_mask = torch.zeros(B, T), torch.zeros(B, T)
+    for i, (p, a) in enumerate(lengths):
+        attention_mask[i, :p + a] = 1
+        loss_mask[i, p:p + a] = 1
+    kv = [(torch.randn(B, 3, T, 64, generator=g).to(bf), torch.randn(B, 3, T, 64, generator=g).to(bf))
+          for _ in range(3)]
+    hidden = torch.randn(B, T, d, generator=g).to(bf)
+    return dict(input_ids=torch.randint(0, V, (B, T), generator=g), loss_mask=loss_mask,
+                attention_mask=attention_mask, features=torch.randn(B, T, 3 * d, generator=g).to(bf),
+                target_kv=kv, target_hidden=hidden, lm_head_weight=head, **cached_top1(hidden, head))
+
+
+def loss_tokens(data: dict) -> int:
+    mask = data["loss_mask"].bool()
+    return int((mask & data["attention_mask"].bool()).sum()) if "attention_mask" in data else int(mask.sum())
+
+
+def timed_step(drafter: Drafter, opt, data: dict, repeats: int, clock, **kw) -> float:
+    """Median time of one K=7 optimizer step (after a warm-up step) under `clock`."""
+    times = []
+    for i in range(repeats + 1):
+        t0 = clock()
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            out = ttt_unroll(drafter, steps=7, **data, **kw)
+        opt.zero_grad(set_to_none=True)
+        out.loss.backward()
+        torch.nn.utils.clip_grad_norm_(drafter.parameters(), 0.5)
+        opt.step()
+        if i:
+            times.append(clock() - t0)
+    return statistics.median(times)
+
+
+def loss_throughput(args, clock) -> list[str]:
+    """Loss tokens/s per variant on a chat batch and on the anchor's shape, old (full) and new (compact) unroll,
+    against the SpecForge anchor; then an epoch of chats in plain and bucketed order. Returns summary parts."""
+    d, V = SMOLLM2["hidden_size"], SMOLLM2["vocab_size"]
+    eager, compiled = 512 / ANCHOR[512][7], 512 / ANCHOR_COMPILED_512
+    chats = chat_lengths(args.chat_batch, args.chat_seed)
+    chat = chat_batch(chats, d, V)
+    B, T = chat["input_ids"].shape
+    n_chat = loss_tokens(chat)
+    real = int(chat["attention_mask"].sum())
+    anchor_shape = batch(512, d, V, 1.0)
+    n_anchor = loss_tokens(anchor_shape)
+    print(f"\nloss tokens/s, K=7, {args.draft_vocab} draft vocabulary (the SpecForge anchor: {eager:.0f} eager, "
+          f"{compiled:.0f} compiled at seq 512, every position scored)")
+    print(f"  chat batch: {B} chats (prompt+answer {', '.join(f'{p}+{a}' for p, a in chats)}), padded to {T}: "
+          f"{n_chat} loss tokens = {n_chat / (B * T):.0%} of the {B * T} positions, {n_chat / real:.0%} of the "
+          f"{real} real tokens; anchor shape: seq 512, batch 1, {n_anchor} loss tokens (100%)")
+    head = "  variant          chat: full -> compact (x)   vs anchor eager/compiled |  seq 512: full -> compact (x)" \
+           "   vs anchor eager/compiled"
+    print(head if args.compare else head.replace("full -> compact (x)", "compact"))
+    parts = []
+    for name in args.variants:
+        torch.manual_seed(0)
+        cfg = DrafterConfig(draft_vocab_size=args.draft_vocab, **VARIANTS[name], **SMOLLM2)
+        drafter = Drafter(cfg).train()
+        opt = torch.optim.AdamW([p for p in drafter.parameters() if p.requires_grad], lr=1e-4, fused=True)
+        cols, rates = [], []
+        for data, n in ((chat, n_chat), (anchor_shape, n_anchor)):
+            new = n / timed_step(drafter, opt, data, args.repeats, clock)
+            if args.compare:
+                old = n / timed_step(drafter, opt, data, args.repeats, clock, compact=False)
+                cols.append(f"{old:5.0f} -> {new:5.0f} ({new / old:4.2f}x)   {new / eager:4.2f}x / {new / compiled:4.2f}x")
+            else:
+                cols.append(f"{new:5.0f}   {new / eager:4.2f}x / {new / compiled:4.2f}x")
+            rates.append(new)
+        print(f"  {name:15s}  " + "  |  ".join(cols), flush=True)
+        if name == "eagle3":
+            parts.append(f"eagle3 loss tok/s chat {rates[0]:.0f} ({rates[0] / eager:.2f}x anchor), "
+                         f"seq512 {rates[1]:.0f} ({rates[1] / eager:.2f}x)")
+    if args.epoch_chats and "eagle3" in args.variants:
+        parts.append(bucketed_epoch(args, clock))
+    if "eagle3" in args.variants:
+        parts.append(eval_throughput(args, chat, clock))
+    return parts
+
+
+@torch.no_grad()
+def eval_throughput(args, chat: dict, clock) -> str:
+    """Step-wise evaluation of eagle3 on the chat batch: the full unroll's logits at every position with the
+    target's full-vocabulary logits (the old stepwise masks) against the loss-free compact unroll."""
+    torch.manual_seed(0)
+    drafter = Drafter(DrafterConfig(draft_vocab_size=args.draft_vocab, **VARIANTS["eagle3"], **SMOLLM2)).eval()
+    data = {k: v for k, v in chat.items() if k not in ("target_hidden", "lm_head_weight", "target_top1",
+                                                        "target_top1_logit")}
+
+    def old() -> None:
+        logits = torch.nn.functional.linear(chat["target_hidden"], chat["lm_head_weight"])
+        out = ttt_unroll(drafter, target_logits=logits, steps=7, return_logits=True, **data)
+        logits.argmax(-1), [z.argmax(-1) for z in out.logits]
+
+    def new() -> None:
+        ttt_unroll(drafter, steps=7, score=False, **data)
+
+    times = {}
+    for name, f in (("old", old), ("new", new)):
+        ts = []
+        for i in range(args.repeats + 1):
+            t0 = clock()
+            with torch.autocast("cpu", dtype=torch.bfloat16):
+                f()
+            if i:
+                ts.append(clock() - t0)
+        times[name] = statistics.median(ts)
+    n = loss_tokens(chat)
+    print(f"  evaluation (eagle3, chat batch, no grad): full unroll with full target logits {n / times['old']:.0f} "
+          f"loss tok/s -> loss-free compact unroll {n / times['new']:.0f} ({times['old'] / times['new']:.2f}x)",
+          flush=True)
+    return f"eval {times['old'] / times['new']:.2f}x faster"
+
+
+def bucketed_epoch(args, clock) -> str:
+    """eagle3 over one epoch of chats (batch 4): the plain seeded order against length-bucketed batches."""
+    from stages.train import batch_indices
+
+    d, V = SMOLLM2["hidden_size"], SMOLLM2["vocab_size"]
+    chats = chat_lengths(args.epoch_chats, args.chat_seed + 1)
+    lengths = [p + a for p, a in chats]
+    torch.manual_seed(0)
+    drafter = Drafter(DrafterConfig(draft_vocab_size=args.draft_vocab, **VARIANTS["eagle3"], **SMOLLM2)).train()
+    opt = torch.optim.AdamW([p for p in drafter.parameters() if p.requires_grad], lr=1e-4, fused=True)
+    steps = -(-len(chats) // 4)
+    out = {}
+    for window in (1, 8):
+        total_t, total_n, positions = 0.0, 0, 0
+        for step in range(steps):
+            idx = batch_indices(step, len(chats), 4, 0, lengths, window)
+            data = chat_batch([chats[i] for i in idx], d, V, seed=step)
+            total_t += timed_step(drafter, opt, data, 1, clock)
+            total_n += loss_tokens(data)
+            positions += data["input_ids"].numel()
+        out[window] = (total_n / total_t, sum(lengths) / positions)
+    (plain, fill_p), (bucketed, fill_b) = out[1], out[8]
+    print(f"  eagle3, one epoch of {len(chats)} chats in batches of 4: plain order {plain:.0f} loss tok/s "
+          f"({fill_p:.0%} of positions real), bucketed (window 8) {bucketed:.0f} ({fill_b:.0%} real): "
+          f"{bucketed / plain:.2f}x", flush=True)
+    return f"bucketed epoch {bucketed:.0f} loss tok/s ({bucketed / plain:.2f}x plain)"
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--seqs", type=int, nargs="+", default=[512, 1024])
@@ -127,6 +313,13 @@ def main() -> None:
     ap.add_argument("--anchors", type=int, nargs="+", default=[0], help="anchors per sequence (0: every position)")
     ap.add_argument("--memory-sizes", type=int, nargs="*", default=[4, 8, 16],
                     help="block sizes whose saved-for-backward memory is measured (first --blocks context, depth 1)")
+    ap.add_argument("--chat-batch", type=int, default=4, help="chats in the loss-throughput batch (0: skip it)")
+    ap.add_argument("--chat-seed", type=int, default=0)
+    ap.add_argument("--epoch-chats", type=int, default=32, help="chats in the bucketing epoch (0: skip it)")
+    ap.add_argument("--no-compare", dest="compare", action="store_false",
+                    help="loss throughput of the default unroll only, not the full unroll beside it")
+    ap.add_argument("--clock", choices=["wall", "process"], default="wall",
+                    help="loss throughput timed in wall time or this process's CPU time")
     args = ap.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -176,6 +369,8 @@ def main() -> None:
         if (T, "block-memory") in results:
             parts.append("block saved-for-backward " + ", ".join(f"B={b} {m:.0f} MiB"
                                                                   for b, m in results[(T, "block-memory")].items()))
+    if args.chat_batch:
+        parts += loss_throughput(args, time.process_time if args.clock == "process" else time.perf_counter)
     print("SUMMARY train: " + "; ".join(parts))
 
 

@@ -74,7 +74,7 @@ from typing import Callable
 import torch
 from torch import nn
 
-from models.layers import MLP, KeyBlock, RMSNorm, attend, expand_heads, head_map
+from models.layers import MLP, KeyBlock, RMSNorm, attend, expand_heads, head_map, take_rows
 from models.rope import RotaryEmbedding, apply_rope, unapply_rope
 
 VARIANTS = ("eagle3", "kv_only", "hybrid", "cross_only", "block")
@@ -275,16 +275,23 @@ class Attention(nn.Module):
         if cross and not cfg.no_target:
             self.inject = Injection(cfg)
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, ctx) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, ctx,
+                rows: torch.Tensor | None = None) -> torch.Tensor:
+        """x [B, n, d] -> [B, n, d]; with `rows` (flat indices into B*n) only those entries query, [1, len(rows), d]
+        (keys and values still come from every entry)."""
         B, n, _ = x.shape
-        q = self.q_proj(x).view(B, n, -1, self.head_dim).transpose(1, 2)
+        xq, cq, sq = (x, cos, sin) if rows is None else (take_entries(x, rows), take_rows(cos, rows),
+                                                          take_rows(sin, rows))
+        nq = xq.shape[1]          # the head count spelled out: a view cannot infer it when no entry queries
+        q = self.q_proj(xq).view(xq.shape[0], nq, self.q_proj.out_features // self.head_dim,
+                                 self.head_dim).transpose(1, 2)
         k = self.k_proj(x).view(B, n, -1, self.head_dim).transpose(1, 2)
         v = self.v_proj(x).view(B, n, -1, self.head_dim).transpose(1, 2)
-        q = apply_rope(q, cos.to(q.dtype), sin.to(q.dtype))
+        q = apply_rope(q, cq.to(q.dtype), sq.to(q.dtype))
         k = apply_rope(k, cos.to(k.dtype), sin.to(k.dtype))
-        blocks = ctx.cross_blocks(self, k, v) if self.cross else ctx.self_blocks(self, k, v)
+        blocks = ctx.cross_blocks(self, k, v, rows) if self.cross else ctx.self_blocks(self, k, v, rows)
         o = attend(q, blocks)
-        return self.o_proj(o.transpose(1, 2).reshape(B, n, -1))
+        return self.o_proj(o.transpose(1, 2).reshape(xq.shape[0], nq, self.o_proj.in_features))
 
 
 class DecoderLayer(nn.Module):
@@ -311,19 +318,20 @@ class DecoderLayer(nn.Module):
         self.mlp = MLP(d, cfg.intermediate_size)
 
     def forward(self, x: torch.Tensor, emb: torch.Tensor | None, cos: torch.Tensor, sin: torch.Tensor,
-                ctx) -> torch.Tensor:
-        residual = x
+                ctx, rows: torch.Tensor | None = None) -> torch.Tensor:
+        """One layer over n entries [B, n, d]; with `rows` only those entries' outputs, [1, len(rows), d]."""
+        residual = x if rows is None else take_entries(x, rows)
         if self.fused_input:
             h = torch.cat([self.input_layernorm(emb), self.hidden_norm(x)], -1)
         else:
             h = self.input_layernorm(x)
         h = _compute_dtype(h)       # cast once here, not once per projection
         if self.hybrid:
-            n = self.self_attn(h, cos, sin, ctx)
+            n = self.self_attn(h, cos, sin, ctx, rows)
             if self.gate_override == 0.0:
                 a = n               # the closed gate: exactly the eagle3 path, the cross branch not even run
             else:
-                o = self.cross_attn(h, cos, sin, ctx)
+                o = self.cross_attn(h, cos, sin, ctx, rows)
                 delta = o - n
                 if self.gate_override is None:
                     g = torch.sigmoid(self.gate(torch.cat([n, o, delta], -1)))
@@ -332,11 +340,16 @@ class DecoderLayer(nn.Module):
                 ctx.record_gate(self.index, g)
                 a = n + g * self.delta(delta)
         elif hasattr(self, "self_attn"):
-            a = self.self_attn(h, cos, sin, ctx)
+            a = self.self_attn(h, cos, sin, ctx, rows)
         else:
-            a = self.cross_attn(h, cos, sin, ctx)
+            a = self.cross_attn(h, cos, sin, ctx, rows)
         x = residual + a
         return x + self.mlp(self.post_attention_layernorm(x))
+
+
+def take_entries(x: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
+    """[B, n, ...] -> [1, len(rows), ...]: the entries at flat indices `rows` (b * n + i)."""
+    return x.reshape(-1, *x.shape[2:]).index_select(0, rows).unsqueeze(0)
 
 
 def _compute_dtype(x: torch.Tensor) -> torch.Tensor:
@@ -408,11 +421,11 @@ class _StepContext:
         self.cache.own[key] = kv
         return expand_heads(kv[0], attn.hmap), expand_heads(kv[1], attn.hmap)
 
-    def self_blocks(self, attn: Attention, k, v) -> list[KeyBlock]:
+    def self_blocks(self, attn: Attention, k, v, rows=None) -> list[KeyBlock]:
         K, V = self._own(attn, k, v, "self")
         return [KeyBlock(K, V, self.self_mask)]
 
-    def cross_blocks(self, attn: Attention, k, v) -> list[KeyBlock]:
+    def cross_blocks(self, attn: Attention, k, v, rows=None) -> list[KeyBlock]:
         if self.target_kv is None:
             raise ValueError(f"drafter.step: variant {self.drafter.config.variant!r} reads the target KV; "
                              "target_kv is required")
@@ -577,8 +590,12 @@ class Drafter(DraftModel):
         return self.norm(hidden) if self.config.norm_output else hidden
 
     def forward_hidden(self, input_ids: torch.Tensor, hidden_in: torch.Tensor | None, positions: torch.Tensor,
-                       ctx) -> torch.Tensor:
-        """One pass of the layers for n entries, keys supplied by `ctx` (TTT or step); returns hidden [B, n, d]."""
+                       ctx, rows: torch.Tensor | None = None) -> torch.Tensor:
+        """One pass of the layers for n entries, keys supplied by `ctx` (TTT or step); returns hidden [B, n, d].
+
+        `rows` (flat indices into B*n): only these entries' outputs are wanted, [1, len(rows), d]. Earlier layers
+        still run everywhere (their outputs are the next layer's keys); the last one computes its keys everywhere
+        and its queries, attention output and MLP at the rows alone."""
         emb = _compute_dtype(self.embed_tokens(input_ids))
         if self.config.uses_features:
             if hidden_in is None:
@@ -587,8 +604,9 @@ class Drafter(DraftModel):
         else:
             x = emb
         cos, sin = self.rope(positions)
+        last = len(self.layers) - 1
         for i, layer in enumerate(self.layers):
-            x = layer(x, emb if i == 0 else None, cos, sin, ctx)
+            x = layer(x, emb if i == 0 else None, cos, sin, ctx, rows if i == last else None)
         return x
 
     @torch.no_grad()

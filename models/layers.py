@@ -19,6 +19,11 @@ materialises the [n, n] scores, and the chain is merged in by log-sum-exp.
 sees the row's dense blocks (the context) and all J keys of its own row (bidirectional within the block). On CPU
 with causal context blocks it is fused too (`_CausalBlockAttention`): the context through the flash kernel once
 per block offset j, the row's own J x J scores as one batched matmul, merged by log-sum-exp.
+
+A dense block may also serve a *subset* of its layout's queries (`rows`): the TTT unroll runs its later steps only
+at the positions that carry loss, so n queries (flat positions b * S + s of the block's [B, S] layout) attend to the
+full causal prefix of their own sequence. On CPU the queries are scattered into the [B, S] layout for the flash
+kernel alone (attention is a small share of the work; the projections and the MLP run on the n rows only).
 """
 from __future__ import annotations
 
@@ -62,6 +67,9 @@ class KeyBlock:
     dense: k, v `[B, H, S, hd]`, mask `[B, 1|H, n, S]` bool or None (all visible); causal=True instead of a
            mask: S == n and query i sees keys 0..i.
     diag:  k, v `[B, H, n, J, hd]`, J keys private to each query (its own chain in the TTT unroll).
+    rows (dense, first block only): the queries are the flat positions `rows` (b * S + s, ascending) of the
+           block's [B, S] layout, q `[1, H, n, hd]` with n = len(rows), diag blocks alongside in the same order;
+           `causal` (query (b, s) sees keys (b, <= s)) or a layout mask `[B|1, 1|H, S, S]` says what each sees.
     """
 
     k: torch.Tensor
@@ -69,6 +77,7 @@ class KeyBlock:
     mask: torch.Tensor | None = None
     diag: bool = False
     causal: bool = False
+    rows: torch.Tensor | None = None
 
     def dense_mask(self) -> torch.Tensor | None:
         """The block's mask as a tensor (the causal triangle built on demand)."""
@@ -100,6 +109,8 @@ def attend(q: torch.Tensor, blocks: list[KeyBlock], scale: float | None = None) 
     if not blocks:
         raise ValueError("attend: no key blocks given")
     scale = q.shape[-1] ** -0.5 if scale is None else scale
+    if blocks[0].rows is not None:
+        return _attend_rows(q, blocks, scale)
     if len(blocks) == 1 and not blocks[0].diag:
         # one dense key set (decoding: the cached prefix and the tree): the kernel backend serves it
         b = blocks[0]
@@ -145,6 +156,52 @@ def _union_mask(q: torch.Tensor, blocks: list[KeyBlock], masks: list[torch.Tenso
     return torch.cat([m.expand(*lead, m.shape[-1]) for m in full], -1)
 
 
+def take_rows(x: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
+    """[B, H, S, ...] -> [1, H, n, ...]: the flat positions `rows` (b * S + s) of a head-major layout."""
+    b, s = rows.div(x.shape[2], rounding_mode="floor"), rows.remainder(x.shape[2])
+    return x[b, :, s].transpose(0, 1).unsqueeze(0)      # advanced indexing puts the n rows first
+
+
+def _put_rows(base: torch.Tensor, rows: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+    """A copy of `base` [B, H, S, ...] with its flat positions `rows` replaced by x [1, H, n, ...]."""
+    out = base.clone()
+    b, s = rows.div(base.shape[2], rounding_mode="floor"), rows.remainder(base.shape[2])
+    out[b, :, s] = x[0].transpose(0, 1).to(out.dtype)
+    return out
+
+
+def _attend_rows(q: torch.Tensor, blocks: list[KeyBlock], scale: float) -> torch.Tensor:
+    """attend() for n queries at flat positions `blocks[0].rows` of the prefix block's [B, S] layout."""
+    prefix, rest = blocks[0], blocks[1:]
+    if len(rest) > 1 or any(not b.diag for b in rest):
+        raise ValueError("attend: a dense block with query rows takes at most one diag block beside it")
+    chain = rest[0] if rest else None
+    dt = q.dtype
+    if prefix.causal and q.device.type == "cpu":
+        kc, vc = (chain.k, chain.v) if chain is not None else (None, None)
+        return _CausalChainAttention.apply(q, prefix.k.to(dt), prefix.v.to(dt), kc, vc, scale, prefix.rows)
+    # elsewhere (or under an explicit padding mask): per sequence, a masked dense block of its own keys plus the chain
+    B, _, S, _ = prefix.k.shape
+    rows = prefix.rows
+    bounds = torch.searchsorted(rows, torch.arange(B + 1, device=rows.device) * S).tolist()
+    outs = []
+    for b in range(B):
+        lo, hi = bounds[b], bounds[b + 1]
+        if lo == hi:
+            continue
+        s = rows[lo:hi] - b * S
+        if prefix.causal:
+            mask = (torch.arange(S, device=s.device)[None, :] <= s[:, None])[None, None]
+        else:
+            m = prefix.mask
+            mask = m[b if m.shape[0] > 1 else 0].index_select(-2, s)[None]
+        own = [KeyBlock(prefix.k[b:b + 1], prefix.v[b:b + 1], mask)]
+        if chain is not None:
+            own.append(KeyBlock(chain.k[:, :, lo:hi], chain.v[:, :, lo:hi], diag=True))
+        outs.append(attend(q[:, :, lo:hi], own, scale))
+    return torch.cat(outs, 2) if outs else q.new_zeros(q.shape)
+
+
 class _CausalChainAttention(torch.autograd.Function):
     """attend() for [causal prefix of n keys, diag chain of J keys per query] on CPU, fused.
 
@@ -153,33 +210,57 @@ class _CausalChainAttention(torch.autograd.Function):
     log-sum-exp, gives the prefix's gradients under the joint softmax exactly (its probabilities are
     exp(s - lse) and its rowsum(dO * O) term is the joint one), and the chain's gradients are written out.
     Nothing of size n x n is kept between forward and backward.
+
+    With `rows` the n queries are flat positions of the prefix's [B, S] layout: they are scattered there (zero
+    queries elsewhere) for the flash kernel, whose outputs are gathered back; in backward the other positions get a
+    zero output gradient, so they add nothing to the keys' gradients. Without a chain (kc None) it is the causal
+    prefix alone.
     """
 
     @staticmethod
-    def forward(ctx, q, k, v, kc, vc, scale: float):
-        o1, lse1 = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, 0.0, True, scale=scale)
-        s2 = (q.float().unsqueeze(-2) * kc.float()).sum(-1).mul_(scale)          # [B, H, n, J]
-        lse = torch.logaddexp(lse1, torch.logsumexp(s2, -1))
-        p2 = torch.exp(s2 - lse.unsqueeze(-1))
-        out = torch.exp(lse1 - lse).unsqueeze(-1) * o1.float() + (p2.unsqueeze(-1) * vc.float()).sum(-2)
-        out = out.to(q.dtype)
-        ctx.save_for_backward(q, k, v, kc, vc, out, lse, p2)
-        ctx.scale = scale
+    def forward(ctx, q, k, v, kc, vc, scale: float, rows=None):
+        qf = q if rows is None else _put_rows(q.new_zeros(k.shape[:3] + q.shape[-1:]), rows, q)
+        o1f, lse1f = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(qf, k, v, 0.0, True, scale=scale)
+        o1, lse1 = (o1f, lse1f) if rows is None else (take_rows(o1f, rows), take_rows(lse1f, rows))
+        if kc is None:
+            out, lse, p2 = o1, lse1, None
+        else:
+            s2 = (q.float().unsqueeze(-2) * kc.float()).sum(-1).mul_(scale)          # [B, H, n, J]
+            lse = torch.logaddexp(lse1, torch.logsumexp(s2, -1))
+            p2 = torch.exp(s2 - lse.unsqueeze(-1))
+            out = torch.exp(lse1 - lse).unsqueeze(-1) * o1.float() + (p2.unsqueeze(-1) * vc.float()).sum(-2)
+            out = out.to(q.dtype)
+        if rows is None:
+            ctx.save_for_backward(q, k, v, kc, vc, out, lse, p2)
+        else:   # the flash backward reads the whole layout: the merged values at the rows, its own elsewhere
+            ctx.save_for_backward(qf, k, v, kc, vc, out, lse, p2, _put_rows(o1f, rows, out),
+                                  _put_rows(lse1f, rows, lse), rows)
+        ctx.scale, ctx.has_rows = scale, rows is not None
         return out
 
     @staticmethod
     def backward(ctx, g):
-        q, k, v, kc, vc, out, lse, p2 = ctx.saved_tensors
+        saved = ctx.saved_tensors
+        q, k, v, kc, vc, out, lse, p2 = saved[:8]
         g = g.to(q.dtype).contiguous()
-        dq, dk, dv = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
-            g, q, k, v, out, lse, 0.0, True, scale=ctx.scale)
+        if ctx.has_rows:
+            out_f, lse_f, rows = saved[8:]
+            g_f = _put_rows(q.new_zeros(out_f.shape), rows, g)
+            dq, dk, dv = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
+                g_f, q, k, v, out_f, lse_f, 0.0, True, scale=ctx.scale)
+            dq, q = take_rows(dq, rows), take_rows(q, rows)
+        else:
+            dq, dk, dv = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
+                g, q, k, v, out, lse, 0.0, True, scale=ctx.scale)
+        if kc is None:
+            return dq.to(q.dtype), dk, dv, None, None, None, None
         gf = g.float()
         D = (gf * out.float()).sum(-1, keepdim=True)                             # rowsum(dO * O)
         ds2 = p2 * ((gf.unsqueeze(-2) * vc.float()).sum(-1) - D)                 # [B, H, n, J]
         dq = dq.float() + ctx.scale * (ds2.unsqueeze(-1) * kc.float()).sum(-2)
         dkc = (ctx.scale * ds2).unsqueeze(-1) * q.float().unsqueeze(-2)
         dvc = p2.unsqueeze(-1) * gf.unsqueeze(-2)
-        return dq.to(q.dtype), dk, dv, dkc.to(kc.dtype), dvc.to(vc.dtype), None
+        return dq.to(q.dtype), dk, dv, dkc.to(kc.dtype), dvc.to(vc.dtype), None, None
 
 
 def attend_block(q: torch.Tensor, blocks: list[KeyBlock], k_own: torch.Tensor, v_own: torch.Tensor,

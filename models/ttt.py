@@ -14,27 +14,39 @@ One implementation for every drafter variant. Step k runs the drafter once over 
   argmax at t+1+k lies inside the draft vocabulary. loss_k = mean soft cross-entropy over those positions,
   total = Σ_k decay^k loss_k; acc/α counts (`models.metrics`) over the same positions.
 
+Only what carries loss is computed (`ttt_unroll`'s default, compact path). Step k >= 1 at position t matters only
+if some step k' >= k is scored at t (the chain at t is its own; later positions' prefix keys are step-0 keys), so
+steps 1..K-1 run on the rows of those positions alone (projections, MLP; the queries are scattered into the [T]
+layout for the fused attention call only); step 0 computes its keys everywhere and the rest of its last layer at
+those positions; the head, the loss and the target's teacher distribution run on scored rows only. With the
+target's full-vocabulary top-1 from the feature cache (`target_top1`, `target_top1_logit`) the teacher needs only
+the draft-vocabulary logits. The losses, counts and gradients are those of the full unroll over every position
+(`compact=False`, also the `return_logits` path), which tests hold it to.
+
 Inputs are plain tensors so the train stage can feed the offline cache or an online target.
 """
 from __future__ import annotations
 
+import weakref
 from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 
 from models.drafter import Drafter
-from models.layers import KeyBlock, expand_heads
+from models.layers import KeyBlock, expand_heads, take_rows
 from models.metrics import StepCounts, step_counts
 
 
 @dataclass
 class TTTOutput:
-    loss: torch.Tensor                     # scalar, Σ_k decay^k loss_k (differentiable)
+    loss: torch.Tensor | None              # scalar, Σ_k decay^k loss_k (differentiable); None when not scored
     losses: list[float]                    # loss_k
-    counts: StepCounts                     # acc_k / α_k numerators and denominators
-    gate_means: dict[int, float]           # hybrid: mean gate per layer over steps and positions
+    counts: StepCounts | None              # acc_k / α_k numerators and denominators (None when not scored)
+    gate_means: dict[int, float]           # hybrid: mean gate per layer over steps and the positions computed
     logits: list[torch.Tensor] | None = None   # per step [B, T, V_draft] when return_logits
+    top1: list[torch.Tensor] | None = None     # score=False: per step [B, T] draft index of the drafter's top-1,
+                                               # -1 where step k is not evaluated
 
     @property
     def acc(self) -> list[float]:
@@ -69,14 +81,14 @@ class _TTTContext:
         self.diag[key] = (k, v)
         return KeyBlock(k, v, diag=True)
 
-    def self_blocks(self, attn, k, v) -> list[KeyBlock]:
+    def self_blocks(self, attn, k, v, rows=None) -> list[KeyBlock]:
         K, V = expand_heads(k, attn.hmap), expand_heads(v, attn.hmap)
         if self.k == 0:
             self.dense0[attn.layer] = (K, V)
             return [self._prefix(K, V)]
         return [self._prefix(*self.dense0[attn.layer]), self._chain((attn.layer, "self"), K, V)]
 
-    def cross_blocks(self, attn, k, v) -> list[KeyBlock]:
+    def cross_blocks(self, attn, k, v, rows=None) -> list[KeyBlock]:
         if attn.layer not in self.prefix and not self.drafter.config.no_target:
             if self.target_kv is None:
                 raise ValueError(f"ttt_unroll: variant {self.drafter.config.variant!r} needs target_kv")
@@ -170,14 +182,36 @@ def ttt_unroll(drafter: Drafter, input_ids: torch.Tensor, loss_mask: torch.Tenso
                target_kv: list[tuple[torch.Tensor, torch.Tensor]] | None = None,
                target_logits: torch.Tensor | None = None, target_hidden: torch.Tensor | None = None,
                lm_head_weight: torch.Tensor | None = None, position_ids: torch.Tensor | None = None,
-               steps: int = 7, decay: float = 0.8, return_logits: bool = False) -> TTTOutput:
+               steps: int = 7, decay: float = 0.8, return_logits: bool = False,
+               target_top1: torch.Tensor | None = None, target_top1_logit: torch.Tensor | None = None,
+               score: bool = True, compact: bool = True) -> TTTOutput:
     """The K-step TTT unroll (see the module docstring).
 
     input_ids, loss_mask, attention_mask, position_ids: [B, T] (right padding); features: [B, T, 3d] concat
     of the target features (eagle3 family); target_kv: per kv layer (K, V) [B, Hkv, T, hd] post-RoPE (KV
     readers); target_logits [B, T, V], or target_hidden [B, T, d] (final norm applied) with lm_head_weight
-    [V, d]. Run it under torch.autocast for bf16 and under no_grad for evaluation.
+    [V, d], optionally with the target's full-vocabulary top-1 id and logit per position (target_top1 [B, T]
+    long, target_top1_logit [B, T]; the feature cache's) so that only the draft rows of the head are multiplied.
+    Run it under torch.autocast for bf16 and under no_grad for evaluation.
+
+    return_logits gives every position's logits at every step (the full unroll); compact=False runs the full
+    unroll without them (the reference the default path equals). score=False (evaluation): no target needed, no
+    loss; `top1` holds the drafter's top-1 at every position where token t+2+k exists and is a loss-masked token.
     """
+    if return_logits or not compact:
+        if not score:
+            raise ValueError("ttt_unroll: score=False runs the compact unroll (no return_logits, compact=True)")
+        return _full_unroll(drafter, input_ids, loss_mask, attention_mask, features, target_kv, target_logits,
+                            target_hidden, lm_head_weight, position_ids, steps, decay, return_logits)
+    return _compact_unroll(drafter, input_ids, loss_mask, attention_mask, features, target_kv, target_logits,
+                           target_hidden, lm_head_weight, position_ids, steps, decay, target_top1,
+                           target_top1_logit, score)
+
+
+def _full_unroll(drafter: Drafter, input_ids, loss_mask, attention_mask, features, target_kv, target_logits,
+                 target_hidden, lm_head_weight, position_ids, steps: int, decay: float,
+                 return_logits: bool) -> TTTOutput:
+    """Every step at every position (the straightforward unroll; the reference of `_compact_unroll`)."""
     B, T = input_ids.shape
     dev = input_ids.device
     cfg = drafter.config
@@ -246,3 +280,262 @@ def ttt_unroll(drafter: Drafter, input_ids: torch.Tensor, loss_mask: torch.Tenso
     drafter.last_gates = gates
     return TTTOutput(loss=total, losses=losses, counts=counts, gate_means=gates,
                      logits=all_logits if return_logits else None)
+
+
+# -- the compact unroll: only what carries loss ------------------------------------------------------------------
+
+def _inverse(rows: torch.Tensor, n: int) -> torch.Tensor:
+    """[n] long: where each flat index sits in `rows`, -1 where it is absent."""
+    inv = torch.full((n,), -1, dtype=torch.long, device=rows.device)
+    inv[rows] = torch.arange(rows.numel(), device=rows.device)
+    return inv
+
+
+_DRAFT_ROWS: dict = {}
+
+
+def _draft_rows(weight: torch.Tensor, drafter: Drafter) -> torch.Tensor:
+    """The draft vocabulary's rows of the target's LM head, kept (one entry, the head held weakly) until the head or
+    the vocabulary changes: the gather would otherwise be repeated every step."""
+    d2t = drafter.d2t
+    key = (weight._version, d2t.device, d2t.data_ptr(), d2t._version, tuple(d2t.shape))
+    ref = _DRAFT_ROWS.get("weight")
+    if ref is None or ref() is not weight or _DRAFT_ROWS.get("key") != key \
+            or not torch.equal(_DRAFT_ROWS["d2t"], d2t):
+        _DRAFT_ROWS.update(weight=weakref.ref(weight), key=key, d2t=d2t.clone(),
+                           rows=weight.index_select(0, d2t.to(weight.device)))
+    return _DRAFT_ROWS["rows"]
+
+
+@torch.no_grad()
+def teacher_rows(drafter: Drafter, rows: torch.Tensor, target_logits: torch.Tensor | None = None,
+                 target_hidden: torch.Tensor | None = None, lm_head_weight: torch.Tensor | None = None,
+                 target_top1: torch.Tensor | None = None,
+                 target_top1_logit: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """`target_distribution` at the flat positions `rows` of [B, T] only: (draft-vocabulary probabilities [n, V_draft]
+    fp32, the draft index of the target's argmax [n], -1 outside the draft vocabulary).
+
+    With the target's full-vocabulary top-1 (id and logit, from the feature cache) only the draft rows of the LM
+    head are multiplied: the argmax is inside when the top-1 is a draft token or a draft token reaches its logit
+    (a tie, which `target_distribution_from_hidden` also counts as inside)."""
+    if target_logits is not None:
+        return target_distribution(target_logits.reshape(-1, target_logits.shape[-1]).index_select(0, rows), drafter)
+    h = target_hidden.reshape(-1, target_hidden.shape[-1]).index_select(0, rows)
+    if target_top1 is None or drafter.config.draft_vocab_size == drafter.config.vocab_size:
+        return target_distribution_from_hidden(h, lm_head_weight, drafter)
+    logits = F.linear(h.to(lm_head_weight.dtype), _draft_rows(lm_head_weight, drafter))
+    top, arg = logits.max(-1)
+    top1 = target_top1.reshape(-1).index_select(0, rows).long()
+    # compared in the logits' own precision (bf16 under autocast, even for an fp32 cache), as the two-matmul rule
+    # compares two maxima computed alike
+    reach = top >= target_top1_logit.reshape(-1).index_select(0, rows).to(top.dtype)
+    inside = drafter.t2d[top1] | reach
+    return torch.softmax(logits.float(), -1), torch.where(inside, arg, -1)
+
+
+class _WeightedSoftCrossEntropy(torch.autograd.Function):
+    """Σ_i w_i · CE_i with CE_i = -probs[rows[i]] · log_softmax(z[i]), plus CE [N] and argmax(z) [N] (no gradient).
+
+    As `_SoftCrossEntropy`, block by block (each block's fp32 temporaries stay in cache), with the weights known in
+    advance (the unroll's decay^k / n_k) folded into the gradient as it is written, the argmax taken from the same
+    block, and contiguous runs of target rows read as slices rather than gathered: backward is a no-op for the
+    usual unit output gradient.
+    """
+
+    @staticmethod
+    def forward(ctx, z: torch.Tensor, probs: torch.Tensor, rows: torch.Tensor, weight: torch.Tensor, block: int):
+        N = z.shape[0]
+        ce = torch.empty(N, dtype=torch.float32, device=z.device)
+        arg = torch.empty(N, dtype=torch.long, device=z.device)
+        grad = torch.empty_like(z) if ctx.needs_input_grad[0] else None
+        r = rows.tolist()
+        # breaks[j]: how many of rows[0..j] do not follow their predecessor (a block is a slice when none does)
+        breaks = torch.cat([rows.new_zeros(1), (rows[1:] - rows[:-1] != 1).long().cumsum(0)]).tolist() if N else []
+        # fp32 throughout: under CPU autocast vecdot would cast both operands to bf16 (two copies, a rounded CE)
+        with torch.autocast(z.device.type, enabled=False):
+            for i in range(0, N, block):
+                j = min(i + block, N)
+                logp = torch.log_softmax(z[i:j], -1, dtype=torch.float32)
+                p = probs[r[i]:r[i] + j - i] if breaks[j - 1] == breaks[i] else probs.index_select(0, rows[i:j])
+                ce[i:j] = torch.linalg.vecdot(p, logp).neg_()
+                arg[i:j] = logp.max(-1).indices     # log_softmax is monotone per row: z's argmax, ties alike
+                if grad is not None:
+                    grad[i:j] = logp.exp_().sub_(p).mul_(weight[i:j, None])
+            total = torch.linalg.vecdot(ce, weight)
+        ctx.mark_non_differentiable(ce, arg)
+        ctx.save_for_backward(grad)
+        return total, ce, arg
+
+    @staticmethod
+    def backward(ctx, g: torch.Tensor, _ce, _arg):
+        (grad,) = ctx.saved_tensors
+        if g.numel() != 1 or float(g) != 1.0:
+            grad = grad * g.to(grad.dtype)
+        return grad, None, None, None, None
+
+
+def weighted_soft_cross_entropy(z: torch.Tensor, probs: torch.Tensor, rows: torch.Tensor, weight: torch.Tensor,
+                                block: int = 8) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(Σ_i weight_i · CE_i differentiable, CE [N] fp32, argmax of z [N]) for logits z [N, V] against the target
+    probabilities probs[rows] ([M, V] fp32, rows [N]); see `_WeightedSoftCrossEntropy`."""
+    return _WeightedSoftCrossEntropy.apply(z, probs, rows, weight.float(), block)
+
+
+class _CompactContext:
+    """Key blocks for the compact unroll.
+
+    Step 0's entries are every position ([B, T] layout; its last layer may query at some `rows` only); step k >= 1's
+    entries are the flat positions `self.rows` ([1, n] layout), a subset of the previous step's. The self branch's
+    prefix is step 0's keys, the cross branch's the injected target KV, both in the [B, T] layout and read by the
+    queries at their flat positions; a chain is extended at every step and carried into the next step's rows.
+    """
+
+    def __init__(self, drafter: Drafter, causal: torch.Tensor | None, target_kv, position_ids: torch.Tensor):
+        self.drafter, self.causal = drafter, causal
+        self.target_kv, self.position_ids = target_kv, position_ids
+        self.k, self.rows, self.sel = 0, None, None
+        self.dense0: dict = {}
+        self.prefix: dict = {}
+        self.chains: dict = {}
+        self.gates: dict = {}
+
+    def begin(self, k: int, rows: torch.Tensor | None, sel: torch.Tensor | None) -> None:
+        """Step k over `rows` (None: every position); sel = where they sit among the previous step's rows."""
+        self.k, self.rows, self.sel = k, rows, sel
+
+    def _prefix(self, k, v, rows) -> KeyBlock:
+        if self.causal is None:
+            return KeyBlock(k, v, causal=True, rows=rows)
+        return KeyBlock(k, v, self.causal, rows=rows)
+
+    def _chain(self, key, k, v, rows) -> KeyBlock:
+        """Append this step's same-position key to the chain, carried over from the previous step's layout."""
+        k, v = k.unsqueeze(3), v.unsqueeze(3)
+        old = self.chains.get(key)
+        if old is not None:
+            ok, ov = old
+            if self.k == 1:            # step 0 kept every position
+                ok, ov = take_rows(ok, self.rows), take_rows(ov, self.rows)
+            else:
+                ok, ov = ok.index_select(2, self.sel), ov.index_select(2, self.sel)
+            k, v = torch.cat([ok, k], 3), torch.cat([ov, v], 3)
+        self.chains[key] = (k, v)
+        if rows is not None:           # step 0's last layer: only these entries query
+            k, v = take_rows(k, rows), take_rows(v, rows)
+        return KeyBlock(k, v, diag=True)
+
+    def self_blocks(self, attn, k, v, rows=None) -> list[KeyBlock]:
+        K, V = expand_heads(k, attn.hmap), expand_heads(v, attn.hmap)
+        if self.k == 0:
+            self.dense0[attn.layer] = (K, V)
+            return [self._prefix(K, V, rows)]
+        return [self._prefix(*self.dense0[attn.layer], self.rows), self._chain((attn.layer, "self"), K, V, None)]
+
+    def cross_blocks(self, attn, k, v, rows=None) -> list[KeyBlock]:
+        cfg = self.drafter.config
+        if attn.layer not in self.prefix and not cfg.no_target:
+            if self.target_kv is None:
+                raise ValueError(f"ttt_unroll: variant {cfg.variant!r} needs target_kv")
+            cos, sin = self.drafter.rope_for_target(self.position_ids)
+            pk, pv = attn.inject(self.target_kv, cos, sin)
+            self.prefix[attn.layer] = (expand_heads(pk, attn.hmap), expand_heads(pv, attn.hmap))
+        chain = self._chain((attn.layer, "cross"), expand_heads(k, attn.hmap), expand_heads(v, attn.hmap), rows)
+        if cfg.no_target:
+            return [chain]
+        return [self._prefix(*self.prefix[attn.layer], rows if self.k == 0 else self.rows), chain]
+
+    def record_gate(self, layer: int, g: torch.Tensor) -> None:
+        self.gates.setdefault(layer, []).append(g.detach().float().mean())
+
+
+def _compact_unroll(drafter: Drafter, input_ids, loss_mask, attention_mask, features, target_kv, target_logits,
+                    target_hidden, lm_head_weight, position_ids, steps: int, decay: float, target_top1,
+                    target_top1_logit, score: bool) -> TTTOutput:
+    """The unroll restricted to what carries loss (module docstring); equal to `_full_unroll`'s result."""
+    B, T = input_ids.shape
+    N = B * T
+    dev = input_ids.device
+    cfg = drafter.config
+    if loss_mask.shape != (B, T):
+        raise ValueError(f"ttt_unroll: loss_mask has shape {tuple(loss_mask.shape)}, expected {(B, T)}")
+    if cfg.uses_features and features is None:
+        raise ValueError(f"ttt_unroll: variant {cfg.variant!r} needs features [B, T, {cfg.n_features}*d]")
+    if score and target_logits is None and (target_hidden is None or lm_head_weight is None):
+        raise ValueError("ttt_unroll: give target_logits, or target_hidden with lm_head_weight")
+    attention_mask = torch.ones(B, T, dtype=torch.bool, device=dev) if attention_mask is None \
+        else attention_mask.to(torch.bool)
+    if position_ids is None:
+        position_ids = torch.arange(T, device=dev).expand(B, T)
+    right_padded = not bool((~attention_mask[:, :-1] & attention_mask[:, 1:]).any())
+    causal = None if right_padded else \
+        torch.ones(T, T, dtype=torch.bool, device=dev).tril()[None, None] & attention_mask[:, None, None, :]
+    scored = loss_mask.to(torch.bool) & attention_mask
+
+    if score:
+        # the target's row r is a teacher row when token r+1 is scored: its distribution is that token's
+        teach = _shift(scored, 1, False).reshape(N).nonzero().squeeze(1)
+        probs, tgt_teach = teacher_rows(drafter, teach, target_logits, target_hidden, lm_head_weight,
+                                        target_top1, target_top1_logit)
+        tgt = torch.full((N,), -1, dtype=torch.long, device=dev)
+        tgt[teach] = tgt_teach
+        where = _inverse(teach, N)
+        usable = (tgt >= 0).view(B, T)
+        # position t at step k is scored against the target's row t+1+k (which predicts token t+2+k)
+        valid = torch.stack([_shift(usable, 1 + k, False) for k in range(steps)]).reshape(steps, N)
+    else:
+        valid = torch.stack([_shift(scored, 2 + k, False) for k in range(steps)]).reshape(steps, N)
+    # step k runs at position t when it, or a later step of the same chain, is scored there
+    need = valid.flip(0).cumsum(0).flip(0) > 0
+    ids, pos = input_ids.reshape(N), position_ids.reshape(N)
+
+    ctx = _CompactContext(drafter, causal, target_kv, position_ids)
+    picked, idxs, targets = [], [], []
+    h, prev = None, None
+    for k in range(steps):
+        rows = need[k].nonzero().squeeze(1)
+        idx = valid[k].nonzero().squeeze(1)
+        if k > 0 and rows.numel() == 0:      # no chain reaches this far: nothing later is scored either
+            idxs += [idx] * (steps - k)
+            break
+        if k == 0:
+            ctx.begin(0, None, None)
+            hidden = drafter.fuse(features) if cfg.uses_features else None
+            h = drafter.forward_hidden(_shift(input_ids, 1, 0), hidden, position_ids + 1, ctx, rows)
+        else:
+            sel = _inverse(prev, N)[rows]
+            ctx.begin(k, rows, sel)
+            hidden = drafter.carry(h.index_select(1, sel)) if cfg.uses_features else None
+            h = drafter.forward_hidden(ids[rows + 1 + k][None], hidden, (pos[rows] + 1 + k)[None], ctx)
+        prev = rows
+        picked.append(h[0].index_select(0, _inverse(rows, N)[idx]))
+        idxs.append(idx)
+        if score:
+            targets.append(where[idx + 1 + k])
+    gates = {i: float(torch.stack(g).mean()) for i, g in ctx.gates.items()}
+    drafter.last_gates = gates
+    # the head and the loss do not feed the next step: run them once over the scored rows of every step
+    z = drafter.head(torch.cat(picked))
+    sizes = [i.numel() for i in idxs]
+    if not score:
+        top = z.detach().max(-1).indices
+        top1 = []
+        for idx, t in zip(idxs, top.split(sizes)):
+            out = torch.full((N,), -1, dtype=torch.long, device=dev)
+            out[idx] = t
+            top1.append(out.view(B, T))
+        return TTTOutput(loss=None, losses=[], counts=None, gate_means=gates, top1=top1)
+    n = torch.tensor(sizes, device=dev).clamp(min=1)
+    step_of_row = torch.repeat_interleave(torch.arange(steps, device=dev), torch.tensor(sizes, device=dev))
+    per_step_weight = decay ** torch.arange(steps, device=dev, dtype=torch.float32) / n
+    src = torch.cat(targets)
+    total, per_row, arg = weighted_soft_cross_entropy(z, probs, src, per_step_weight[step_of_row])
+    hits = arg == tgt_teach[src]
+    loss_sum = torch.zeros(steps, device=dev, dtype=per_row.dtype).index_add(0, step_of_row, per_row)
+    losses = (loss_sum / n).tolist()
+    corrects = []
+    for idx, hit in zip(idxs, hits.split(sizes)):
+        correct = torch.zeros(N, dtype=torch.bool, device=dev)
+        correct[idx] = hit
+        corrects.append(correct)
+    counts = step_counts(torch.stack(corrects), valid)
+    return TTTOutput(loss=total, losses=losses, counts=counts, gate_means=gates)

@@ -44,39 +44,43 @@ def _shift(x: torch.Tensor, s: int, fill) -> torch.Tensor:
 @torch.no_grad()
 def stepwise_masks(model, batch, lm_head_weight: torch.Tensor, steps: int,
                    strict: bool = True) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, Any]:
-    """(correct, valid, agree [K, B, T], the TTT output) of one batch.
+    """(correct, valid, agree [K, B, T], the unroll's output) of one batch.
 
     valid: token t+2+k exists, is an assistant token, not padding. correct: the drafter's top-1 at (t, k) is the
-    target's top-1 for that token. agree: that token in the data is the target's top-1 (what step k+1 is fed is
-    what decoding would have accepted). strict=False also drops positions whose target top-1 is outside the draft
-    vocabulary from `valid`, as the training loss does (the TTT's own counts then agree with these masks).
+    target's top-1 for that token (False where valid is False: the drafter runs only where step k is scored).
+    agree: that token in the data is the target's top-1 (what step k+1 is fed is what decoding would have
+    accepted). strict=False also drops positions whose target top-1 is outside the draft vocabulary from `valid`,
+    as the training loss does (the TTT's own counts then agree with these masks).
+
+    The unroll runs without a loss (models.ttt, score=False), and the target's top-1 comes from the feature cache
+    when the batch carries it; otherwise it is the argmax of the target's logits from its last hidden state.
     """
     from models.ttt import ttt_unroll
 
-    target_logits = F.linear(batch.last_hidden.to(lm_head_weight.dtype), lm_head_weight)
+    top = getattr(batch, "top1", None)                              # target id predicted after position t
     if model.config.variant == "block":     # block position k+1 of every anchor plays step k (models.block)
         from models.block import block_unroll
 
         out = block_unroll(model, batch.input_ids, batch.loss_mask, attention_mask=batch.attention_mask,
                            features=batch.features if model.config.uses_features else None,
-                           target_kv=batch.kv if model.config.reads_kv else None, target_logits=target_logits,
-                           return_logits=True)
-        out.logits = out.logits[:steps]
+                           target_kv=batch.kv if model.config.reads_kv else None,
+                           target_hidden=batch.last_hidden, lm_head_weight=lm_head_weight, return_logits=True)
+        out.top1 = [z.argmax(-1) for z in out.logits[:steps]]
     else:
         out = ttt_unroll(model, batch.input_ids, batch.loss_mask, attention_mask=batch.attention_mask,
                          features=batch.features if model.config.uses_features else None,
-                         target_kv=batch.kv if model.config.reads_kv else None, target_logits=target_logits,
-                         steps=steps, return_logits=True)
-    top = target_logits.argmax(-1)                                   # target id predicted after position t
+                         target_kv=batch.kv if model.config.reads_kv else None, steps=steps, score=False)
+    if top is None:
+        top = F.linear(batch.last_hidden.to(lm_head_weight.dtype), lm_head_weight).argmax(-1)
     scored = batch.loss_mask.bool() & batch.attention_mask.bool()
     in_vocab = model.t2d[top]
     correct, valid, agree = [], [], []
-    for k, z in enumerate(out.logits):
+    for k, drafted in enumerate(out.top1):
         want = _shift(top, 1 + k, -1)
         v = _shift(scored, 2 + k, False)
         if not strict:
             v = v & _shift(in_vocab, 1 + k, False)
-        correct.append(model.d2t[z.argmax(-1)] == want)
+        correct.append((drafted >= 0) & (model.d2t[drafted.clamp(min=0)] == want))
         valid.append(v)
         agree.append(_shift(batch.input_ids, 2 + k, -1) == want)
     return torch.stack(correct), torch.stack(valid), torch.stack(agree), out

@@ -31,6 +31,8 @@ class FeatureBatch:
     last_hidden: torch.Tensor | None                # [B, T, d]: final-norm hidden (target logits = lm_head(.))
     kv: list[tuple[torch.Tensor, torch.Tensor]] | None   # per kv layer (K, V) [B, Hkv, T, hd], post-RoPE
     ids: list[str]
+    top1: torch.Tensor | None = None                # [B, T] long: the target's full-vocabulary top-1 (None: not cached)
+    top1_logit: torch.Tensor | None = None          # [B, T] fp32: its logit
 
     @property
     def concat_features(self) -> torch.Tensor:
@@ -42,7 +44,9 @@ class FeatureBatch:
         return FeatureBatch(self.input_ids.to(device), self.loss_mask.to(device), self.attention_mask.to(device),
                             [cast(f) for f in self.features] if self.features is not None else None,
                             cast(self.last_hidden) if self.last_hidden is not None else None,
-                            [(cast(k), cast(v)) for k, v in self.kv] if self.kv is not None else None, self.ids)
+                            [(cast(k), cast(v)) for k, v in self.kv] if self.kv is not None else None, self.ids,
+                            self.top1.to(device) if self.top1 is not None else None,
+                            self.top1_logit.to(device) if self.top1_logit is not None else None)
 
 
 def read_index(directory: Path) -> dict:
@@ -86,6 +90,10 @@ class _Source(ABC):
     @abstractmethod
     def batch(self, idx: list[int]) -> FeatureBatch:
         """The padded batch of conversations `idx`."""
+
+    def lengths(self) -> list[int]:
+        """Tokens per conversation (what length-bucketed batching sorts by)."""
+        return [len(self.tokens(i)[0]) for i in range(len(self))]
 
     def batches(self, batch_size: int, seed: int = 0, epoch: int = 0, shuffle: bool = True,
                 drop_last: bool = False, limit: int | None = None) -> Iterator[FeatureBatch]:
@@ -136,6 +144,7 @@ class OfflineFeatures(_Source):
         self.offline = bool(self.index.get("offline"))
         self.n_features = sum(k.startswith("feature_") for k in self.index["tensors"])
         self.n_kv = sum(k.startswith("k_") for k in self.index["tensors"])
+        self.has_top1 = "target_top1" in self.index["tensors"]     # caches written before it existed lack it
 
     def _slice(self, i: int, name: str) -> torch.Tensor:
         s, j = self._where[i]
@@ -144,6 +153,13 @@ class OfflineFeatures(_Source):
 
     def tokens(self, i: int) -> tuple[torch.Tensor, torch.Tensor]:
         return self._slice(i, "input_ids").long(), self._slice(i, "loss_mask").bool()
+
+    def lengths(self) -> list[int]:
+        out = []
+        for s, j in self._where:
+            offsets = self._files[s][1]
+            out.append(offsets[j + 1] - offsets[j])
+        return out
 
     def batch(self, idx: list[int]) -> FeatureBatch:
         ids, mask, att, lens = self._pad_tokens(idx)
@@ -162,7 +178,8 @@ class OfflineFeatures(_Source):
         feats = [stack(f"feature_{j}") for j in range(self.n_features)]
         kv = [(stack(f"k_{j}").transpose(1, 2).contiguous(), stack(f"v_{j}").transpose(1, 2).contiguous())
               for j in range(self.n_kv)]
-        return FeatureBatch(ids, mask, att, feats, stack("last_hidden"), kv, [self.ids[i] for i in idx])
+        top1 = (stack("target_top1").long(), stack("target_top1_logit")) if self.has_top1 else (None, None)
+        return FeatureBatch(ids, mask, att, feats, stack("last_hidden"), kv, [self.ids[i] for i in idx], *top1)
 
 
 class OnlineFeatures(_Source):

@@ -13,6 +13,11 @@ Training shard k holds the conversations with `scale_rank` in [k*shard_size, (k+
 extracted once over the largest: a smaller scale hard-links the shared shards and slices its boundary shard, and
 each scale directory is still complete on its own. With `offline: false` the shards hold only input_ids and
 loss_mask (the trainer runs the target online).
+
+Besides the features, the last hidden state and the KV, each position stores the target's full-vocabulary top-1
+(`target_top1`, int32, and its logit `target_top1_logit`, fp32), computed from the last hidden state as stored:
+training then multiplies only the draft vocabulary's rows of the LM head, and evaluation none. Caches written
+before these two tensors existed still work (the trainer computes the top-1 itself).
 """
 from __future__ import annotations
 
@@ -149,6 +154,7 @@ def capture_items(target, items: list[Item], batch_size: int, dtype) -> list[dic
             ids[r, :len(items[i].ids)] = torch.tensor(items[i].ids)
             att[r, :len(items[i].ids)] = 1
         cap = target.capture(ids, attention_mask=att.to(target.device))
+        top1 = target_top1(target, cap.last_hidden.to(dtype))
         for r, i in enumerate(idx):
             n = len(items[i].ids)
             t = {f"feature_{j}": f[r, :n] for j, f in enumerate(cap.features)}
@@ -157,7 +163,20 @@ def capture_items(target, items: list[Item], batch_size: int, dtype) -> list[dic
                 t[f"k_{j}"] = k[r, :, :n].transpose(0, 1)   # [T, Hkv, hd]: packed along tokens
                 t[f"v_{j}"] = v[r, :, :n].transpose(0, 1)
             out[i] = {name: x.to(dtype).contiguous().cpu() for name, x in t.items()}
+            out[i]["target_top1"] = top1.indices[r, :n].to(torch.int32).contiguous().cpu()
+            out[i]["target_top1_logit"] = top1.values[r, :n].float().contiguous().cpu()
     return out  # type: ignore[return-value]
+
+
+def target_top1(target, last_hidden):
+    """The target's full-vocabulary top-1 (values, indices) per position, from its last hidden state as the cache
+    stores it, in the LM head's dtype: the logits the trainer and the evaluation would compute from the cache."""
+    import torch
+    import torch.nn.functional as F
+
+    w = target.lm_head.weight
+    with torch.no_grad():
+        return F.linear(last_hidden.to(device=w.device, dtype=w.dtype), w).max(-1)
 
 
 def pack(items: list[Item], tensors: list[dict] | None) -> dict:
@@ -358,7 +377,8 @@ def run(params: FeaturesParams, target: TargetParams, data, paths: Paths, report
     else:
         tok = load_tokenizer(target, paths)
     info = target_info(loaded, target)
-    fp = {"max_len": params.max_len, "offline": params.offline, "dtype": params.dtype, **info}
+    # "teacher": shards written before the cached top-1 existed are not current (they lack it)
+    fp = {"max_len": params.max_len, "offline": params.offline, "dtype": params.dtype, "teacher": "top1", **info}
     largest_name, largest = max(data.scales.items(), key=lambda kv: kv[1])
     metrics: dict[str, float] = {}
     sets = {EVAL: sorted((r for r in rows if r.get("split") == EVAL), key=lambda r: r["scale_rank"]),

@@ -71,6 +71,11 @@ class TrainParams(Section):
     checkpoint_every: int = Field(200, ge=1)
     log_every: int = Field(10, ge=1)
     seed: int = 0
+    # length bucketing: within windows of this many batches (of the epoch's seeded permutation) conversations are
+    # sorted by length before being cut into batches, whose order is then shuffled: less padding per batch, but
+    # other batches than the plain order (1, the default, keeps it). The unroll already skips most of padding's
+    # cost, so on the default chats it gains little (benchmarks/train.py measures it)
+    bucket_window: int = Field(1, ge=1)
     # LM head: random (EAGLE-3), or the target's rows of the draft vocabulary (trains slower early on: the target's
     # head expects the target's own hidden states, which a fresh drafter does not produce)
     head_init: Literal["random", "target"] = "random"
@@ -101,17 +106,34 @@ def lr_factor(step: int, total: int, warmup_ratio: float) -> float:
     return 0.5 * (1.0 + math.cos(math.pi * min(1.0, progress)))
 
 
-def batch_indices(step: int, num_conversations: int, batch_size: int, seed: int) -> list[int]:
+def batch_indices(step: int, num_conversations: int, batch_size: int, seed: int,
+                  lengths: list[int] | torch.Tensor | None = None, window: int = 1) -> list[int]:
     """Conversation indices of optimizer step `step`: a fresh seeded permutation per epoch, no state carried.
 
     An epoch is ceil(n / batch_size) batches; its last batch is short rather than wrapping into the next epoch,
-    so every conversation is seen exactly once per epoch.
+    so every conversation is seen exactly once per epoch. With `lengths` and window > 1 the batches are bucketed
+    by length: the permutation is cut into windows of `window` batches, each window sorted by length (ties in
+    permutation order) and cut into batches, and the epoch's full batches are shuffled (the short one stays last),
+    all seeded by (seed, epoch), so the order is still a pure function of the step.
     """
     per_epoch = math.ceil(num_conversations / batch_size)
     epoch, pos = divmod(step, per_epoch)
     g = torch.Generator().manual_seed(seed * 1_000_003 + epoch)
     perm = torch.randperm(num_conversations, generator=g)
-    return perm[pos * batch_size:(pos + 1) * batch_size].tolist()
+    if lengths is None or window <= 1 or per_epoch == 1:
+        return perm[pos * batch_size:(pos + 1) * batch_size].tolist()
+    lengths = torch.as_tensor(lengths, dtype=torch.long)
+    if lengths.numel() < num_conversations:
+        raise ValueError(f"batch_indices: {lengths.numel()} lengths for {num_conversations} conversations")
+    span = window * batch_size
+    windows = math.ceil(num_conversations / span)
+    keys = torch.full((windows * span,), torch.iinfo(torch.long).max, dtype=torch.long)   # the last window's tail
+    keys[:num_conversations] = lengths[perm]                                           # sorts after everything
+    within = torch.sort(keys.view(windows, span), dim=1, stable=True).indices
+    order = perm[(within + torch.arange(windows)[:, None] * span).flatten()[:num_conversations]]
+    full = num_conversations // batch_size
+    b = pos if pos >= full else int(torch.randperm(full, generator=g)[pos])
+    return order[b * batch_size:(b + 1) * batch_size].tolist()
 
 
 def anchor_generator(seed: int, step: int) -> torch.Generator:
@@ -132,12 +154,14 @@ class TargetBatch:
     features: torch.Tensor                         # [B, T, 3d] concat of the target features
     last_hidden: torch.Tensor                      # [B, T, d] final norm applied (target logits via lm_head)
     kv: list[tuple[torch.Tensor, torch.Tensor]]    # per kv layer (K, V) [B, Hkv, T, hd], post-RoPE
+    top1: torch.Tensor | None = None               # [B, T] long: the target's top-1 over its whole vocabulary, and
+    top1_logit: torch.Tensor | None = None         # [B, T] fp32 its logit (the feature cache's; None: computed here)
 
     @classmethod
     def from_features(cls, fb) -> "TargetBatch":
         """From the feature reader's batch (stages.feature_cache.FeatureBatch)."""
         return cls(fb.input_ids, fb.loss_mask.bool(), fb.attention_mask.bool(), fb.concat_features,
-                   fb.last_hidden, list(fb.kv))
+                   fb.last_hidden, list(fb.kv), getattr(fb, "top1", None), getattr(fb, "top1_logit", None))
 
     @property
     def tokens(self) -> int:
@@ -147,15 +171,21 @@ class TargetBatch:
         """Float tensors cast to `dtype` (fp32 training reads a bf16 cache), all moved to `device`."""
         def f(t: torch.Tensor) -> torch.Tensor:
             return t.to(device=device, dtype=dtype if dtype is not None and t.is_floating_point() else t.dtype)
+        def keep(t: torch.Tensor | None) -> torch.Tensor | None:     # the top-1 logit stays fp32
+            return None if t is None else t.to(device=device)
         return TargetBatch(f(self.input_ids), f(self.loss_mask), f(self.attention_mask), f(self.features),
-                           f(self.last_hidden), [(f(k), f(v)) for k, v in self.kv])
+                           f(self.last_hidden), [(f(k), f(v)) for k, v in self.kv], keep(self.top1),
+                           keep(self.top1_logit))
 
     def truncate(self, max_len: int) -> "TargetBatch":
         if self.input_ids.shape[1] <= max_len:
             return self
+        def cut(t: torch.Tensor | None) -> torch.Tensor | None:
+            return None if t is None else t[:, :max_len]
         return TargetBatch(self.input_ids[:, :max_len], self.loss_mask[:, :max_len],
                            self.attention_mask[:, :max_len], self.features[:, :max_len],
-                           self.last_hidden[:, :max_len], [(k[:, :, :max_len], v[:, :, :max_len]) for k, v in self.kv])
+                           self.last_hidden[:, :max_len], [(k[:, :, :max_len], v[:, :, :max_len]) for k, v in self.kv],
+                           cut(self.top1), cut(self.top1_logit))
 
 
 class TargetSource(Protocol):
@@ -164,6 +194,7 @@ class TargetSource(Protocol):
     def __len__(self) -> int: ...
     def batch(self, indices: list[int]) -> TargetBatch: ...
     def token_counts(self, vocab_size: int) -> torch.Tensor: ...    # loss-masked token frequencies [V]
+    # optional: `lengths() -> list[int]`, tokens per conversation (length-bucketed batches when given)
 
 
 class ReaderSource:
@@ -183,6 +214,11 @@ class ReaderSource:
     def batch(self, indices: list[int]) -> TargetBatch:
         b = TargetBatch.from_features(self.reader.batch(indices))
         return b.truncate(self.max_len) if self.max_len else b
+
+    def lengths(self) -> list[int]:
+        """Tokens per conversation after truncation to max_len."""
+        lengths = self.reader.lengths()[:self.n]
+        return [min(n, self.max_len) for n in lengths] if self.max_len else lengths
 
     def token_counts(self, vocab_size: int) -> torch.Tensor:
         from models.vocab import count_tokens
@@ -405,13 +441,15 @@ def run(drafter: DrafterParams, params: TrainParams, run_dir: Path, paths: Paths
             scheduler=sched.state_dict(), rng=ckpt.rng_state(),
             extra={"config": config, "tokens": tokens, "wall_s": wall_before + time.perf_counter() - t_start}))
 
+    lengths = torch.tensor(src.lengths()) if params.bucket_window > 1 and hasattr(src, "lengths") else None
     with _progress() as bar:
         # named by study/trial: concurrent trials of a sweep print to the same log
         task = bar.add_task(f"train {run_dir.parent.name}/{run_dir.name}", total=steps, unit="steps",
                             note="loss {loss:.3f}, α0 {alpha0:.3f}, {tps:.0f} tok/s", completed=start, tps=0.0,
                             loss=float("nan"), alpha0=float("nan"))
         for step in range(start, end):
-            batch = src.batch(batch_indices(step, n_conv, params.batch_size, params.seed)).to(data_dtype, device)
+            idx = batch_indices(step, n_conv, params.batch_size, params.seed, lengths, params.bucket_window)
+            batch = src.batch(idx).to(data_dtype, device)
             with _autocast(params, device):
                 out = ttt_step(model, batch, lm_head, params, anchor_generator(params.seed, step))
             opt.zero_grad(set_to_none=True)
@@ -451,8 +489,9 @@ def run(drafter: DrafterParams, params: TrainParams, run_dir: Path, paths: Paths
 
 def ttt_step(model, batch: TargetBatch, lm_head_weight: torch.Tensor, params: TrainParams,
              generator: torch.Generator | None = None):
-    """One K-step unroll over a batch (models.ttt), target logits from the last hidden state; a block drafter
-    runs its blocks at the anchors of this step instead (models.block)."""
+    """One K-step unroll over a batch (models.ttt), target logits from the last hidden state (the draft
+    vocabulary's rows only when the batch carries the target's top-1); a block drafter runs its blocks at the
+    anchors of this step instead (models.block)."""
     from models.ttt import ttt_unroll
 
     if model.config.variant == "block":
@@ -469,6 +508,7 @@ def ttt_step(model, batch: TargetBatch, lm_head_weight: torch.Tensor, params: Tr
                       features=batch.features if model.config.uses_features else None,
                       target_kv=batch.kv if model.config.reads_kv else None,
                       target_hidden=batch.last_hidden, lm_head_weight=lm_head_weight,
+                      target_top1=batch.top1, target_top1_logit=batch.top1_logit,
                       steps=params.ttt_steps, decay=params.step_decay)
 
 

@@ -74,12 +74,69 @@ def test_rows_have_alpha_acc_mat_retention(tmp_path, target, trained, held_out):
     assert [r["trial"] for r in json.loads(out.read_text())] == ["eagle3", "kv_only"]
 
 
+def ttt_counts(model, batch, W, steps: int = 7):
+    """The training unroll's own counts (scored against the target's draft-vocabulary distribution)."""
+    from models.ttt import ttt_unroll
+
+    with torch.no_grad():
+        return ttt_unroll(model, batch.input_ids, batch.loss_mask, attention_mask=batch.attention_mask,
+                          features=batch.features if model.config.uses_features else None,
+                          target_kv=batch.kv if model.config.reads_kv else None, target_hidden=batch.last_hidden,
+                          lm_head_weight=W, steps=steps).counts
+
+
+def old_stepwise_masks(model, batch, W, steps: int, strict: bool = True):
+    """stepwise_masks as it was: the full unroll's logits at every position, the target's full logits."""
+    from models.ttt import ttt_unroll
+    from stages.evaluate import _shift
+
+    logits = torch.nn.functional.linear(batch.last_hidden.to(W.dtype), W)
+    with torch.no_grad():
+        out = ttt_unroll(model, batch.input_ids, batch.loss_mask, attention_mask=batch.attention_mask,
+                         features=batch.features if model.config.uses_features else None,
+                         target_kv=batch.kv if model.config.reads_kv else None, target_logits=logits,
+                         steps=steps, return_logits=True)
+    top = logits.argmax(-1)
+    scored = batch.loss_mask.bool() & batch.attention_mask.bool()
+    correct, valid, agree = [], [], []
+    for k, z in enumerate(out.logits):
+        want = _shift(top, 1 + k, -1)
+        v = _shift(scored, 2 + k, False)
+        if not strict:
+            v = v & _shift(model.t2d[top], 1 + k, False)
+        correct.append(model.d2t[z.argmax(-1)] == want)
+        valid.append(v)
+        agree.append(_shift(batch.input_ids, 2 + k, -1) == want)
+    return torch.stack(correct), torch.stack(valid), torch.stack(agree)
+
+
+@pytest.mark.parametrize("strict", [True, False])
+def test_stepwise_masks_equal_the_full_unrolls(target, trained, held_out, strict):
+    """The loss-free unroll gives the masks and counts of the full unroll with full target logits (correct is
+    only computed, and only meaningful, where valid); the cached top-1 gives the same again."""
+    W = target.lm_head.weight
+    batch = held_out.batch([0, 1, 2])
+    cap = target.capture(batch.input_ids, attention_mask=batch.attention_mask.long())
+    top = torch.nn.functional.linear(cap.last_hidden, W).max(-1)
+    for run_dir in trained:
+        model, _ = ckpt.load_drafter(run_dir, target)
+        c0, v0, a0 = old_stepwise_masks(model, batch, W, 7, strict)
+        c1, v1, a1, _ = stepwise_masks(model, batch, W, 7, strict)
+        assert torch.equal(v1, v0) and torch.equal(a1, a0) and torch.equal(c1 & v1, c0 & v0)
+        assert step_counts(c1, v1, a1) == step_counts(c0, v0, a0)
+        batch.top1, batch.top1_logit = top.indices, top.values
+        c2, v2, a2, _ = stepwise_masks(model, batch, W, 7, strict)
+        batch.top1, batch.top1_logit = None, None
+        assert torch.equal(v2, v0) and torch.equal(a2 & v2, a0 & v0) and torch.equal(c2, c1)
+
+
 def test_strict_scoring_counts_out_of_vocabulary_as_misses(target, trained, held_out):
     """Without strictness the masks reproduce the TTT's own counts; strict scoring only adds misses."""
     model, _ = ckpt.load_drafter(trained[0], target)
     batch = held_out.batch([0, 1, 2])
     W = target.lm_head.weight
     correct, valid, _, out = stepwise_masks(model, batch, W, steps=7, strict=False)
+    out.counts = ttt_counts(model, batch, W)
     assert step_counts(correct, valid) == out.counts
     s_correct, s_valid, _, _ = stepwise_masks(model, batch, W, steps=7, strict=True)
     assert torch.equal(s_correct, correct) and (s_valid >= valid).all()

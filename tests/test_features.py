@@ -211,3 +211,45 @@ def test_each_scale_counts_its_own_dropped_conversations(tmp_path, embedded_targ
     assert (large["conversations"], small["conversations"]) == (4, 2)
     assert large["dropped"] == {"no assistant token within max_len": 2}
     assert small["dropped"] == {"no assistant token within max_len": 1}
+
+
+def strip_top1(directory: Path) -> None:
+    """Rewrite a cache as it was before the target's top-1 was stored (old caches must keep working)."""
+    from safetensors import safe_open
+    from safetensors.torch import save_file
+
+    for shard in sorted(directory.glob("shard-*.safetensors")):
+        with safe_open(str(shard), "pt") as f:
+            meta = f.metadata()
+            tensors = {k: f.get_tensor(k) for k in f.keys() if not k.startswith("target_top1")}
+        save_file(tensors, str(shard), metadata=meta)
+    index = json.loads((directory / "index.json").read_text())
+    index["tensors"] = {k: v for k, v in index["tensors"].items() if not k.startswith("target_top1")}
+    (directory / "index.json").write_text(json.dumps(index))
+
+
+def test_cache_stores_the_targets_top1_and_old_caches_still_read(tmp_path):
+    """target_top1 / target_top1_logit per token: the argmax and max of the target's logits from the stored last
+    hidden state; a cache without them reads with top1 None."""
+    from models.target import tiny_target
+    from stages.features import write_index
+
+    target = tiny_target(vocab_size=96)
+    g = torch.Generator().manual_seed(0)
+    items = [Item(f"c{i}", "t", i, torch.randint(0, 96, (9 + 2 * i,), generator=g).tolist(), [0] * 4 + [1] * (5 + 2 * i))
+             for i in range(3)]
+    params = FeaturesParams(shard_size=2, batch_size=2, dtype="float32")
+    records = extract(items, tmp_path, params, target, {}, by_rank=True)
+    index = write_index(tmp_path, "x", items, records, params, {}, {}, {})
+    assert index["tensors"]["target_top1"] == {"dtype": "I32", "shape": [], "per": "token"}
+    assert index["tensors"]["target_top1_logit"]["dtype"] == "F32"
+    cache = OfflineFeatures(tmp_path)
+    assert cache.lengths() == [9, 11, 13]
+    batch = cache.batch([2, 0, 1])
+    logits = target.logits(batch.last_hidden)
+    real = batch.attention_mask.bool()
+    assert torch.equal(batch.top1[real], logits.argmax(-1)[real])
+    torch.testing.assert_close(batch.top1_logit[real], logits.amax(-1)[real])
+    strip_top1(tmp_path)
+    old = OfflineFeatures(tmp_path).batch([2, 0, 1])
+    assert old.top1 is None and old.top1_logit is None and torch.equal(old.last_hidden, batch.last_hidden)

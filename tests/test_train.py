@@ -347,3 +347,64 @@ def test_block_drafters_train_resume_and_evaluate(tmp_path, target, source, cont
     with pytest.raises(StageError, match="block_size / drafter.context are options of the block variant"):
         train(tmp_path / "bad", target, source, DrafterParams(variant="eagle3", context="kv", draft_vocab_size=48),
               max_steps=1)
+
+
+def test_length_buckets_keep_each_epoch_whole_and_shrink_padding():
+    """Bucketed batches: still a pure function of the step, every conversation once per epoch, the short batch
+    last, window 1 the plain permutation, and less padding than the plain order."""
+    g = torch.Generator().manual_seed(0)
+    n, b = 103, 4
+    lengths = torch.randint(40, 360, (n,), generator=g)
+    per_epoch = math.ceil(n / b)
+
+    def padding(window: int, epoch: int) -> int:
+        total = 0
+        for i in range(per_epoch):
+            idx = batch_indices(epoch * per_epoch + i, n, b, 5, lengths, window)
+            total += sum(int(lengths[idx].max() - lengths[j]) for j in idx)
+        return total
+
+    for epoch in range(2):
+        batches = [batch_indices(epoch * per_epoch + i, n, b, 5, lengths, 8) for i in range(per_epoch)]
+        assert sorted(sum(batches, [])) == list(range(n))
+        assert [len(x) for x in batches] == [b] * (per_epoch - 1) + [n % b]
+        assert batches == [batch_indices(epoch * per_epoch + i, n, b, 5, lengths.tolist(), 8)
+                           for i in range(per_epoch)]
+        assert padding(8, epoch) < 0.5 * padding(1, epoch)
+    assert [batch_indices(s, n, b, 5, lengths, 1) for s in range(per_epoch)] == \
+        [batch_indices(s, n, b, 5) for s in range(per_epoch)]
+    assert batch_indices(0, n, b, 5, lengths, 8) != batch_indices(per_epoch, n, b, 5, lengths, 8)
+
+
+def test_bucketed_run_resumes_bit_exactly(tmp_path, target):
+    """With length buckets the data order is still a function of the step: a resumed run ends where a whole one
+    does, having seen every conversation of the epoch."""
+    src = online_source(target, conversations(n=6, T=10))
+    whole, _ = train(tmp_path / "whole", target, src, bucket_window=2, max_steps=3)
+    train(tmp_path / "split", target, src, bucket_window=2, max_steps=3, stop_after=1)
+    rest, _ = train(tmp_path / "split", target, src, bucket_window=2, max_steps=3)
+    assert rest["finished"] and whole["tokens"] == rest["tokens"] == sum(len(i) for i, _ in conversations(n=6, T=10))
+    a = load_file(tmp_path / "whole" / ckpt.MODEL_FILE)
+    b = load_file(tmp_path / "split" / ckpt.MODEL_FILE)
+    for k in a:
+        assert torch.equal(a[k], b[k]), k
+
+
+def test_old_cache_without_the_top1_trains_the_same_drafter(tmp_path, target):
+    """A cache written before the target's top-1 was stored trains the same weights (the teacher then takes the
+    two-matmul route) as one that has it."""
+    from test_features import strip_top1
+
+    convs = conversations(n=4)
+    params = TrainParams(max_steps=2, batch_size=2, precision="fp32", lr=3e-3)
+    weights = []
+    for name, strip in (("new", False), ("old", True)):
+        root = tmp_path / name
+        cache = write_cache(root / "data" / "features" / "small", target, convs)
+        if strip:
+            strip_top1(cache)
+        run(DrafterParams(variant="eagle3", draft_vocab_size=40), params, root / "runs" / "e", Paths(root), Log(),
+            target=TargetParams(), loaded_target=target)
+        weights.append(ckpt.load_run(root / "runs" / "e")[1])
+    for k in weights[0]:
+        torch.testing.assert_close(weights[0][k].float(), weights[1][k].float(), atol=1e-5, rtol=1e-5, msg=k)

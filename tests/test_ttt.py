@@ -36,8 +36,10 @@ def test_parallel_unroll_equals_naive_reference(setup, spec):
     assert (par[have] - ref[have]).abs().max().item() <= 1e-5
 
 
-def test_no_dense_unrolled_mask(monkeypatch):
-    """Dense score matrices are at most T x T; the same-position keys come as diag blocks of <= K keys each."""
+@pytest.mark.parametrize("compact", [True, False], ids=["compact", "full"])
+def test_no_dense_unrolled_mask(monkeypatch, compact):
+    """Dense score matrices are at most T x T; the same-position keys come as diag blocks of <= K keys each (one
+    row per query: every position on the full path, the positions computed at that step on the compact one)."""
     tgt = tiny("llama")
     T = 48
     ids, feats, kv, logits = capture(tgt, B=1, T=T)
@@ -49,18 +51,22 @@ def test_no_dense_unrolled_mask(monkeypatch):
             if b.diag:
                 diag.append(tuple(b.k.shape))
             else:
-                dense.append((b.k.shape[-2], None if b.mask is None else tuple(b.mask.shape)))
+                dense.append((b.k.shape[-2], None if b.mask is None else tuple(b.mask.shape),
+                              q.shape[-2], None if b.rows is None else b.rows.numel()))
         return real(q, blocks, scale)
 
     monkeypatch.setattr("models.drafter.attend", spy)
     for variant in ("eagle3", "hybrid"):
         d = make_drafter(tgt, variant=variant)
         with torch.no_grad():
-            ttt_unroll(d, ids, torch.ones_like(ids), features=feats, target_kv=kv, target_logits=logits, steps=7)
+            ttt_unroll(d, ids, torch.ones_like(ids), features=feats, target_kv=kv, target_logits=logits, steps=7,
+                       compact=compact)
     assert dense and diag
-    assert max(width for width, _ in dense) == T
-    assert all(mask is None or mask[-2:] == (T, T) for _, mask in dense)
-    assert all(shape[2] == T and shape[3] <= 7 for shape in diag)
+    assert max(width for width, *_ in dense) == T
+    assert all(mask is None or mask[-2:] == (T, T) for _, mask, *_ in dense)
+    assert all(n <= T and (rows is None or rows == n) for *_, n, rows in dense)
+    assert all(shape[2] <= T and shape[3] <= 7 for shape in diag)
+    assert all(shape[2] == T for shape in diag) == (not compact)
     assert max(shape[3] for shape in diag) == 7           # the cross branch's chain: steps 0..6
 
 
@@ -190,3 +196,190 @@ def test_fused_causal_chain_attention_equals_joint_softmax(dtype):
     torch.testing.assert_close(fused, plain, **tol)
     for a, b in zip(gf, gp):
         torch.testing.assert_close(a, b, **tol)
+
+
+# -- the compact unroll (only what carries loss) against the full one ----------------------------------------------
+
+def _partial_batch(tgt, B=3, T=13, seed=1, left=False):
+    """A batch where some positions carry loss: padded rows of different lengths, loss on parts of each."""
+    ids, feats, kv, logits = capture(tgt, B=B, T=T, seed=seed)
+    g = torch.Generator().manual_seed(seed)
+    loss_mask = (torch.rand(B, T, generator=g) > 0.4).float()
+    loss_mask[:, :3] = 0                                   # a prompt
+    am = torch.ones(B, T)
+    am[1, T - 3:] = 0                                      # right padding
+    am[2, 6:] = 0
+    if left:
+        am[1] = 0
+        am[1, 2:] = 1                                      # a left-padded row: the explicit-mask path
+    return ids, feats, kv, logits, loss_mask, am
+
+
+def _run(d, ids, loss_mask, am, feats, kv, **kw):
+    out = ttt_unroll(d, ids, loss_mask, attention_mask=am, features=feats, target_kv=kv, steps=4, **kw)
+    d.zero_grad(set_to_none=True)
+    out.loss.backward()
+    return out, {n: p.grad.clone() for n, p in d.named_parameters() if p.grad is not None}
+
+
+def _vocab_drafter(tgt, spec):
+    d = make_drafter(tgt, draft_vocab_size=40, **spec).train()
+    d.set_vocab(torch.randperm(64, generator=torch.Generator().manual_seed(2))[:40].sort().values)
+    return d
+
+
+@pytest.mark.parametrize("spec", VARIANT_GRID, ids=[_name(s) for s in VARIANT_GRID])
+def test_compact_unroll_equals_the_full_unroll(setup, spec):
+    """Same losses, counts and gradients as every step at every position, right padding and a vocabulary subset."""
+    tgt, _ = setup
+    ids, feats, kv, logits, loss_mask, am = _partial_batch(tgt)
+    d = _vocab_drafter(tgt, spec)
+    full, g_full = _run(d, ids, loss_mask, am, feats, kv, target_logits=logits, compact=False)
+    comp, g_comp = _run(d, ids, loss_mask, am, feats, kv, target_logits=logits)
+    assert comp.counts == full.counts and sum(full.counts.valid) > 0
+    assert comp.losses == pytest.approx(full.losses, abs=1e-5)
+    assert float(comp.loss.detach()) == pytest.approx(float(full.loss.detach()), abs=1e-5)
+    assert g_comp.keys() == g_full.keys()
+    for name in g_full:
+        torch.testing.assert_close(g_comp[name], g_full[name], atol=1e-5, rtol=1e-5, msg=name)
+
+
+@pytest.mark.parametrize("spec", [dict(variant="eagle3", depth=2), dict(variant="hybrid"),
+                                  dict(variant="kv_only", injection="head_concat"), dict(variant="cross_only"),
+                                  dict(variant="kv_only", no_target=True)],
+                         ids=["eagle3-2", "hybrid", "kv_only-concat", "cross_only", "no_target"])
+def test_compact_unroll_with_left_padding(spec):
+    """Left padding takes the explicit-mask path (per-sequence attention of the computed rows): still equal."""
+    tgt = tiny("llama")
+    ids, feats, kv, logits, loss_mask, am = _partial_batch(tgt, left=True)
+    d = _vocab_drafter(tgt, spec)
+    full, g_full = _run(d, ids, loss_mask, am, feats, kv, target_logits=logits, compact=False)
+    comp, g_comp = _run(d, ids, loss_mask, am, feats, kv, target_logits=logits)
+    assert comp.counts == full.counts
+    assert comp.losses == pytest.approx(full.losses, abs=1e-5)
+    for name in g_full:
+        torch.testing.assert_close(g_comp[name], g_full[name], atol=1e-5, rtol=1e-5, msg=name)
+
+
+def test_cached_top1_teacher_equals_the_two_matmul_teacher():
+    """With the target's full-vocabulary top-1 the teacher multiplies the draft rows only: same losses, counts and
+    gradients as the draft-rows-and-the-rest teacher of the full unroll."""
+    tgt = tiny("llama")
+    ids, feats, kv, _, loss_mask, am = _partial_batch(tgt)
+    hidden = tgt.capture(ids).last_hidden
+    W = tgt.lm_head.weight
+    top = torch.nn.functional.linear(hidden, W).max(-1)
+    d = _vocab_drafter(tgt, dict(variant="eagle3"))
+    common = dict(target_hidden=hidden, lm_head_weight=W)
+    full, g_full = _run(d, ids, loss_mask, am, feats, kv, compact=False, **common)
+    comp, g_comp = _run(d, ids, loss_mask, am, feats, kv, target_top1=top.indices, target_top1_logit=top.values,
+                        **common)
+    assert comp.counts == full.counts
+    assert comp.losses == pytest.approx(full.losses, abs=1e-5)
+    for name in g_full:
+        torch.testing.assert_close(g_comp[name], g_full[name], atol=1e-5, rtol=1e-5, msg=name)
+
+
+def test_teacher_rows_keep_the_tie_rule():
+    """A draft token tying with the target's top-1 outside the draft vocabulary counts as inside, as the
+    two-matmul rule (draft max >= the other rows' max) has it; a plain outside top-1 stays outside."""
+    from models.ttt import target_distribution_from_hidden, teacher_rows
+
+    tgt = tiny("llama")
+    d = make_drafter(tgt, draft_vocab_size=16)
+    d.set_vocab(torch.arange(16, 32))
+    g = torch.Generator().manual_seed(0)
+    W = torch.randn(64, 48, generator=g)
+    W[3] = W[20]                          # token 3 (outside) and 20 (inside) have the same logits everywhere
+    h = torch.randn(1, 6, 48, generator=g)
+    h[0, 0] = W[20] * 5                   # position 0: tokens 3 and 20 tie at the top; 3 is the lower id
+    h[0, 1] = W[40] * 5                   # position 1: top-1 40, outside
+    top = torch.nn.functional.linear(h, W).max(-1)
+    assert top.indices[0, 0] == 3 and top.indices[0, 1] == 40
+    rows = torch.arange(6)
+    p_ref, t_ref = target_distribution_from_hidden(h.reshape(6, 48), W, d)
+    p, t = teacher_rows(d, rows, target_hidden=h, lm_head_weight=W, target_top1=top.indices,
+                        target_top1_logit=top.values)
+    assert torch.equal(t, t_ref) and t[0] == 4 and t[1] == -1
+    torch.testing.assert_close(p, p_ref)
+
+
+def test_score_false_returns_the_full_unrolls_top1_where_scored():
+    """Evaluation's mode: no target, no loss; per step the drafter's top-1 wherever token t+2+k is scored."""
+    tgt = tiny("llama")
+    ids, feats, kv, logits, loss_mask, am = _partial_batch(tgt)
+    d = _vocab_drafter(tgt, dict(variant="hybrid"))
+    with torch.no_grad():
+        full = ttt_unroll(d, ids, loss_mask, attention_mask=am, features=feats, target_kv=kv, target_logits=logits,
+                          steps=4, return_logits=True)
+        fast = ttt_unroll(d, ids, loss_mask, attention_mask=am, features=feats, target_kv=kv, steps=4, score=False)
+    assert fast.loss is None and fast.counts is None and len(fast.top1) == 4
+    scored = loss_mask.bool() & am.bool()
+    for k, (z, top) in enumerate(zip(full.logits, fast.top1)):
+        want = torch.cat([scored[:, 2 + k:], torch.zeros_like(scored[:, :2 + k])], 1)
+        assert torch.equal(top >= 0, want)
+        assert torch.equal(top[want], z.argmax(-1)[want])
+
+
+def test_weighted_soft_cross_entropy_matches_the_plain_one():
+    """Values, argmax and the weighted gradient, with target rows in runs (sliced) and out of order (gathered)."""
+    from models.ttt import soft_cross_entropy, weighted_soft_cross_entropy
+
+    g = torch.Generator().manual_seed(0)
+    z = torch.randn(11, 13, generator=g, requires_grad=True)
+    probs = torch.softmax(torch.randn(6, 13, generator=g), -1)
+    rows = torch.tensor([0, 1, 2, 3, 4, 5, 2, 3, 5, 0, 1])
+    w = torch.rand(11, generator=g)
+    total, ce, arg = weighted_soft_cross_entropy(z, probs, rows, w, block=3)
+    total.backward()
+    mine = z.grad.clone()
+    z.grad = None
+    ref = soft_cross_entropy(z, probs, rows)
+    (ref * w).sum().backward()
+    torch.testing.assert_close(ce, ref.detach())
+    torch.testing.assert_close(total.detach(), (ref * w).sum().detach())
+    torch.testing.assert_close(mine, z.grad)
+    assert torch.equal(arg, z.detach().argmax(-1))
+
+
+@pytest.mark.parametrize("causal", [True, False], ids=["flash", "masked"])
+def test_attention_of_query_rows_equals_the_full_layout(causal):
+    """Queries at some flat positions of a [B, S] prefix (plus their chains) give the full layout's outputs and
+    gradients at those positions (fused CPU path, and the per-sequence masked path)."""
+    g = torch.Generator().manual_seed(0)
+    B, H, S, J, hd = 2, 3, 9, 3, 8
+
+    def leaf(*shape):
+        return torch.randn(*shape, generator=g).requires_grad_()
+
+    q, k, v, kc, vc = leaf(B, H, S, hd), leaf(B, H, S, hd), leaf(B, H, S, hd), leaf(B, H, S, J, hd), leaf(B, H, S, J, hd)
+    rows = torch.tensor([2, 3, 4, 8, 9 + 5, 9 + 6, 9 + 7])
+    tril = torch.ones(S, S, dtype=torch.bool).tril()
+    prefix = dict(causal=True) if causal else dict(mask=tril.expand(B, 1, S, S))
+    full = layers.attend(q, [layers.KeyBlock(k, v, **prefix), layers.KeyBlock(kc, vc, diag=True)])
+    sub = layers.attend(layers.take_rows(q, rows), [layers.KeyBlock(k, v, rows=rows, **prefix),
+                                                    layers.KeyBlock(layers.take_rows(kc, rows),
+                                                                    layers.take_rows(vc, rows), diag=True)])
+    torch.testing.assert_close(sub, layers.take_rows(full, rows), atol=1e-5, rtol=1e-5)
+    grad = torch.randn(sub.shape, generator=g)
+    ga = torch.autograd.grad(sub, (q, k, v, kc, vc), grad)
+    gb = torch.autograd.grad(layers.take_rows(full, rows), (q, k, v, kc, vc), grad)
+    for a, b in zip(ga, gb):
+        torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("tail", [0, 1, 5], ids=["no-loss", "last-token", "short-chains"])
+def test_compact_unroll_when_little_or_nothing_is_scored(tail):
+    """No scored position (a zero loss that still backpropagates), or chains too short to reach step K-1."""
+    tgt = tiny("llama")
+    ids, feats, kv, logits = capture(tgt, B=2, T=8)
+    loss_mask = torch.zeros(2, 8)
+    loss_mask[:, 8 - tail:] = 1
+    for spec in (dict(variant="eagle3", depth=2), dict(variant="hybrid"), dict(variant="kv_only", no_target=True)):
+        d = make_drafter(tgt, **spec).train()
+        outs = [ttt_unroll(d, ids, loss_mask, features=feats, target_kv=kv, target_logits=logits, steps=7,
+                           compact=c) for c in (False, True)]
+        for out in outs:
+            out.loss.backward()
+        assert outs[1].counts == outs[0].counts
+        assert float(outs[1].loss.detach()) == pytest.approx(float(outs[0].loss.detach()), abs=1e-5)
