@@ -307,14 +307,21 @@ def write_e2e_summary(paths, rows: list[dict]) -> None:
 
 @app.command()
 def repro(profile: Optional[str] = ProfileOpt,
-          force: bool = typer.Option(False, "--force", help="Re-run every stage even if up to date.")):
+          force: bool = typer.Option(False, "--force", help="Re-run every stage even if up to date."),
+          stage: Optional[list[str]] = typer.Option(None, "--stage", help="Only this DVC stage (e.g. study@depth) "
+                                                    "and what it depends on; repeatable.")):
     """The whole DAG through DVC. The default profile runs in the project root; any other profile in its own
     workspace scratch/workspaces/<profile>/, whose params.yaml is the resolved profile (so DVC tracks it)."""
     def body():
         from pipeline.dvc_workspace import repro as run_repro
         cfg = load_config(profile if profile not in (None, "") else "default")
         check_hardware(cfg)
-        code = run_repro(cfg, profile or "default", force=force)
+        known = {"prepare", "regenerate", "features", "e2e", "report", *(f"study@{s}" for s in cfg.studies)}
+        bad = [s for s in stage or [] if s not in known]
+        if bad:
+            raise ConfigError(f"--stage {bad[0]!r}: not a stage of profile {profile or 'default'}; choices: "
+                              f"{', '.join(sorted(known))}")
+        code = run_repro(cfg, profile or "default", force=force, stages=stage)
         if code:
             _fail(f"dvc repro failed (exit {code}); finished stages are kept, run again to resume")
     _guarded(body)

@@ -60,11 +60,12 @@ def prepare_workspace(cfg: Config, profile: str) -> Path:
     return ws
 
 
-def repro(cfg: Config, profile: str, force: bool = False) -> int:
-    """Run `dvc repro` for the profile; returns DVC's exit code."""
+def repro(cfg: Config, profile: str, force: bool = False, stages: list[str] | None = None) -> int:
+    """Run `dvc repro` for the profile (only `stages` and what they depend on, when given); returns DVC's exit
+    code."""
     root = ROOT if profile == "default" else prepare_workspace(cfg, profile)
     (root / "scratch").mkdir(parents=True, exist_ok=True)
-    cmd = ["dvc", "repro"] + (["--force"] if force else [])
+    cmd = ["dvc", "repro"] + (["--force"] if force else []) + list(stages or [])
     env = dvc_env(root)
     if shutil.which("dvc", path=env["PATH"]) is None:
         raise FileNotFoundError("dvc is not installed in this environment (run `make setup`)")
