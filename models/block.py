@@ -47,8 +47,7 @@ from models.drafter import DraftModel, DrafterConfig, Injection, _compute_dtype
 from models.layers import MLP, KeyBlock, RMSNorm, attend, attend_block, expand_heads, head_map
 from models.metrics import step_counts
 from models.rope import apply_rope
-from models.ttt import (TTTOutput, _shift, soft_cross_entropy, target_distribution,
-                        target_distribution_from_hidden)
+from models.ttt import TTTOutput, _shift, check_inputs, layout, soft_cross_entropy, teacher
 
 # per layer, the context (K, V) of each source, hidden first then kv: [b, Hsrc, S, hd] each, heads not expanded
 ContextKV = dict[int, list[tuple[torch.Tensor, torch.Tensor]]]
@@ -279,32 +278,16 @@ def block_unroll(drafter: BlockDrafter, input_ids: torch.Tensor, loss_mask: torc
     dev = input_ids.device
     cfg = drafter.config
     n, steps = cfg.block_size, cfg.block_size - 1
-    if loss_mask.shape != (B, T):
-        raise ValueError(f"block_unroll: loss_mask has shape {tuple(loss_mask.shape)}, expected {(B, T)}")
-    if cfg.uses_features and features is None:
-        raise ValueError(f"block_unroll: context {cfg.context!r} needs features [B, T, {cfg.n_features}*d]")
+    check_inputs("block_unroll", drafter, input_ids, loss_mask, features)
     if cfg.reads_kv and target_kv is None:
         raise ValueError(f"block_unroll: context {cfg.context!r} needs target_kv")
     if anchors is not None and anchors.shape != (B, T):
         raise ValueError(f"block_unroll: anchors has shape {tuple(anchors.shape)}, expected {(B, T)}")
-    if target_logits is None:
-        if target_hidden is None or lm_head_weight is None:
-            raise ValueError("block_unroll: give target_logits, or target_hidden with lm_head_weight")
-        probs, tgt = target_distribution_from_hidden(target_hidden, lm_head_weight, drafter)
-    else:
-        probs, tgt = target_distribution(target_logits, drafter)
-    attention_mask = torch.ones(B, T, dtype=torch.bool, device=dev) if attention_mask is None \
-        else attention_mask.to(torch.bool)
-    if position_ids is None:
-        position_ids = torch.arange(T, device=dev).expand(B, T)
-    # as ttt_unroll: under right padding no valid query sees a padded key through the plain causal triangle
-    right_padded = not bool((~attention_mask[:, :-1] & attention_mask[:, 1:]).any())
-    mask = None if right_padded else \
-        torch.ones(T, T, dtype=torch.bool, device=dev).tril()[None, None] & attention_mask[:, None, None, :]
+    probs, tgt = teacher("block_unroll", drafter, target_logits, target_hidden, lm_head_weight)
+    attention_mask, position_ids, mask, scored = layout(loss_mask, attention_mask, position_ids)
     Vd = probs.shape[-1]
     probs = probs.reshape(B * T, Vd)
     tgt = tgt.reshape(B * T)
-    scored = loss_mask.to(torch.bool) & attention_mask
 
     every = anchors is None or bool(anchors.all())
     anchors = torch.ones(B, T, dtype=torch.bool, device=dev) if anchors is None else anchors.to(torch.bool)

@@ -177,6 +177,45 @@ def target_distribution_from_hidden(hidden: torch.Tensor, lm_head_weight: torch.
     return torch.softmax(logits.float(), -1), tgt
 
 
+def check_inputs(who: str, drafter, input_ids: torch.Tensor, loss_mask: torch.Tensor,
+                 features: torch.Tensor | None) -> None:
+    """The shape and feature checks every unroll (TTT and block) makes, as one-line ValueErrors."""
+    B, T = input_ids.shape
+    if loss_mask.shape != (B, T):
+        raise ValueError(f"{who}: loss_mask has shape {tuple(loss_mask.shape)}, expected {(B, T)}")
+    if drafter.config.uses_features and features is None:
+        raise ValueError(f"{who}: {drafter.config.variant!r} needs features [B, T, {drafter.config.n_features}*d]")
+
+
+def teacher(who: str, drafter, target_logits: torch.Tensor | None, target_hidden: torch.Tensor | None,
+            lm_head_weight: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """The target's distribution over the draft vocabulary and its argmax's draft index (`target_distribution`),
+    from its logits or from its last hidden state and head."""
+    if target_logits is not None:
+        return target_distribution(target_logits, drafter)
+    if target_hidden is None or lm_head_weight is None:
+        raise ValueError(f"{who}: give target_logits, or target_hidden with lm_head_weight")
+    return target_distribution_from_hidden(target_hidden, lm_head_weight, drafter)
+
+
+def layout(loss_mask: torch.Tensor, attention_mask: torch.Tensor | None, position_ids: torch.Tensor | None):
+    """(attention mask, position ids, explicit causal mask or None, scored positions) of a [B, T] batch.
+
+    Under right padding (every row valid then padding) a valid query never sees a padded key through the plain
+    causal triangle and padded queries are never scored, so the fused causal kernels serve (mask None); otherwise
+    an explicit [B, 1, T, T] mask."""
+    B, T = loss_mask.shape
+    dev = loss_mask.device
+    attention_mask = torch.ones(B, T, dtype=torch.bool, device=dev) if attention_mask is None \
+        else attention_mask.to(torch.bool)
+    if position_ids is None:
+        position_ids = torch.arange(T, device=dev).expand(B, T)
+    right_padded = not bool((~attention_mask[:, :-1] & attention_mask[:, 1:]).any())
+    causal = None if right_padded else \
+        torch.ones(T, T, dtype=torch.bool, device=dev).tril()[None, None] & attention_mask[:, None, None, :]
+    return attention_mask, position_ids, causal, loss_mask.to(torch.bool) & attention_mask
+
+
 def ttt_unroll(drafter: Drafter, input_ids: torch.Tensor, loss_mask: torch.Tensor,
                attention_mask: torch.Tensor | None = None, features: torch.Tensor | None = None,
                target_kv: list[tuple[torch.Tensor, torch.Tensor]] | None = None,
@@ -215,29 +254,12 @@ def _full_unroll(drafter: Drafter, input_ids, loss_mask, attention_mask, feature
     B, T = input_ids.shape
     dev = input_ids.device
     cfg = drafter.config
-    if loss_mask.shape != (B, T):
-        raise ValueError(f"ttt_unroll: loss_mask has shape {tuple(loss_mask.shape)}, expected {(B, T)}")
-    if cfg.uses_features and features is None:
-        raise ValueError(f"ttt_unroll: variant {cfg.variant!r} needs features [B, T, {cfg.n_features}*d]")
-    if target_logits is None:
-        if target_hidden is None or lm_head_weight is None:
-            raise ValueError("ttt_unroll: give target_logits, or target_hidden with lm_head_weight")
-        probs, tgt = target_distribution_from_hidden(target_hidden, lm_head_weight, drafter)
-    else:
-        probs, tgt = target_distribution(target_logits, drafter)
-    attention_mask = torch.ones(B, T, dtype=torch.bool, device=dev) if attention_mask is None \
-        else attention_mask.to(torch.bool)
-    if position_ids is None:
-        position_ids = torch.arange(T, device=dev).expand(B, T)
-    # right padding (every row valid then padding): a valid query never sees a padded key under the plain causal
-    # triangle, and padded queries are never scored, so the fused causal kernels serve; otherwise an explicit mask
-    right_padded = not bool((~attention_mask[:, :-1] & attention_mask[:, 1:]).any())
-    causal = None if right_padded else \
-        torch.ones(T, T, dtype=torch.bool, device=dev).tril()[None, None] & attention_mask[:, None, None, :]
+    check_inputs("ttt_unroll", drafter, input_ids, loss_mask, features)
+    probs, tgt = teacher("ttt_unroll", drafter, target_logits, target_hidden, lm_head_weight)
+    attention_mask, position_ids, causal, scored = layout(loss_mask, attention_mask, position_ids)
     Vd = probs.shape[-1]
     probs = probs.reshape(B * T, Vd)
     tgt = tgt.reshape(B * T)
-    scored = loss_mask.to(torch.bool) & attention_mask
 
     ctx = _TTTContext(drafter, causal, target_kv, position_ids)
     hidden = drafter.fuse(features) if cfg.uses_features else None
@@ -456,20 +478,10 @@ def _compact_unroll(drafter: Drafter, input_ids, loss_mask, attention_mask, feat
     N = B * T
     dev = input_ids.device
     cfg = drafter.config
-    if loss_mask.shape != (B, T):
-        raise ValueError(f"ttt_unroll: loss_mask has shape {tuple(loss_mask.shape)}, expected {(B, T)}")
-    if cfg.uses_features and features is None:
-        raise ValueError(f"ttt_unroll: variant {cfg.variant!r} needs features [B, T, {cfg.n_features}*d]")
+    check_inputs("ttt_unroll", drafter, input_ids, loss_mask, features)
     if score and target_logits is None and (target_hidden is None or lm_head_weight is None):
         raise ValueError("ttt_unroll: give target_logits, or target_hidden with lm_head_weight")
-    attention_mask = torch.ones(B, T, dtype=torch.bool, device=dev) if attention_mask is None \
-        else attention_mask.to(torch.bool)
-    if position_ids is None:
-        position_ids = torch.arange(T, device=dev).expand(B, T)
-    right_padded = not bool((~attention_mask[:, :-1] & attention_mask[:, 1:]).any())
-    causal = None if right_padded else \
-        torch.ones(T, T, dtype=torch.bool, device=dev).tril()[None, None] & attention_mask[:, None, None, :]
-    scored = loss_mask.to(torch.bool) & attention_mask
+    attention_mask, position_ids, causal, scored = layout(loss_mask, attention_mask, position_ids)
 
     if score:
         # the target's row r is a teacher row when token r+1 is scored: its distribution is that token's

@@ -353,21 +353,25 @@ def _check_rope(cfg, fields: dict[str, Any], fmt: str) -> None:
                          f"express it (was it trained against another target?)")
 
 
-def _engine_name(name: str, fmt: str) -> str:
-    # kvshot's per-feature norms are `fc_norms.j`; every engine calls them `fc_norm.j`
-    if name.startswith("fc_norms."):
-        name = "fc_norm." + name[len("fc_norms."):]
-    if fmt == "eagle3" and name.startswith("layers.0."):
-        name = "midlayer." + name[len("layers.0."):]
+def _renames(fmt: str) -> list[tuple[str, str]]:
+    """(kvshot prefix, engine prefix): kvshot's per-feature norms are `fc_norms.j`, every engine's `fc_norm.j`; the
+    native eagle3 format calls its one decoder layer `midlayer`."""
+    return [("fc_norms.", "fc_norm.")] + ([("layers.0.", "midlayer.")] if fmt == "eagle3" else [])
+
+
+def _rename(name: str, pairs: list[tuple[str, str]]) -> str:
+    for old, new in pairs:
+        if name.startswith(old):
+            name = new + name[len(old):]
     return name
+
+
+def _engine_name(name: str, fmt: str) -> str:
+    return _rename(name, _renames(fmt))
 
 
 def _kvshot_name(name: str, fmt: str) -> str:
-    if name.startswith("fc_norm."):
-        name = "fc_norms." + name[len("fc_norm."):]
-    if fmt == "eagle3" and name.startswith("midlayer."):
-        name = "layers.0." + name[len("midlayer."):]
-    return name
+    return _rename(name, [(b, a) for a, b in _renames(fmt)])
 
 
 def engine_tensors(weights: dict[str, torch.Tensor], fmt: str, dtype: torch.dtype) -> dict[str, torch.Tensor]:

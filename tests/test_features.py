@@ -182,13 +182,19 @@ def test_features_run_writes_nested_scales_and_eval(tmp_path, embedded_target):
     assert before == {p.name: p.stat().st_mtime_ns for p in paths.features("large").glob("*.safetensors")}
 
 
-def test_online_only_cache_holds_tokens(tmp_path, embedded_target):
+def tokens_only_cache(tmp_path):
+    """The features stage over 1 held-out and 3 training conversations with `offline: false`; returns the paths."""
     paths = project_paths(tmp_path)
     out = paths.regenerated("uc")
     out.parent.mkdir(parents=True)
     out.write_text("".join(json.dumps(r) + "\n" for r in _rows(1, "eval") + _rows(3, "train")))
     data = DataParams(sources={"uc": {"kind": "local", "path": "x"}}, eval_size=1, scales={"small": 3})
     run(FeaturesParams(max_len=48, offline=False), TargetParams(), data, paths, lambda m, step=None: None)
+    return paths
+
+
+def test_online_only_cache_holds_tokens(tmp_path, embedded_target):
+    paths = tokens_only_cache(tmp_path)
     idx = json.loads((paths.features("small") / "index.json").read_text())
     assert idx["offline"] is False and set(idx["tensors"]) == {"input_ids", "loss_mask", "offsets", "ranks"}
     on = OnlineFeatures.from_cache(paths.features("small"), embedded_target)

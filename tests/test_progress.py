@@ -76,16 +76,9 @@ def test_regenerate_prints_progress(tmp_path, capsys):
 
 
 def test_features_prints_progress(tmp_path, capsys):
-    from stages.features import FeaturesParams, run
-    from stages.prepare import DataParams
-    from test_features import _rows, project_paths
+    from test_features import tokens_only_cache
 
-    paths = project_paths(tmp_path)
-    out = paths.regenerated("uc")
-    out.parent.mkdir(parents=True)
-    out.write_text("".join(json.dumps(r) + "\n" for r in _rows(1, "eval") + _rows(3, "train")))
-    data = DataParams(sources={"uc": {"kind": "local", "path": "x"}}, eval_size=1, scales={"small": 3})
-    run(FeaturesParams(max_len=48, offline=False), TargetParams(), data, paths, lambda m, step=None: None)
+    tokens_only_cache(tmp_path)
     (line,) = _lines(capsys.readouterr().err, "features")
     assert line["done"] == line["total"] and line["unit"] == "tok" and "4 conv" in line.string
 

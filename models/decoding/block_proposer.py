@@ -20,6 +20,7 @@ import torch
 
 from models.block import BlockDrafter, ContextKV
 from models.decoding.proposers import TargetUpdate
+from models.decoding.drafter_proposer import check_fits
 from models.decoding.tree import DraftTree, TreeSpec, draft_tree
 from models.target import Target
 
@@ -41,14 +42,7 @@ class BlockProposer:
         cfg = drafter.config
         if cfg.variant != "block":
             raise ValueError(f"block proposer: drafter variant {cfg.variant!r} is not 'block' (use DrafterProposer)")
-        if cfg.uses_features and cfg.n_features != len(target.feature_layers):
-            raise ValueError(f"drafter expects {cfg.n_features} target features, the target gives "
-                             f"{len(target.feature_layers)} (target.feature_layers={target.feature_layers})")
-        if cfg.reads_kv and cfg.n_kv_layers != len(target.kv_layers):
-            raise ValueError(f"drafter expects {cfg.n_kv_layers} target KV layers, the target gives "
-                             f"{len(target.kv_layers)} (target.kv_layers={target.kv_layers})")
-        if cfg.vocab_size != target.vocab_size:
-            raise ValueError(f"drafter vocab_size={cfg.vocab_size} != target vocab size {target.vocab_size}")
+        check_fits(cfg, target)
         self.drafter = drafter.to(device=target.device, dtype=target.dtype).eval()
         self.target = target
         self.cfg = cfg

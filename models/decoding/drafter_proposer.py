@@ -22,6 +22,19 @@ from models.drafter import DraftCache, Drafter
 from models.target import Target
 
 
+def check_fits(cfg, target: Target) -> None:
+    """A drafter reads the target's features, KV layers and vocabulary as they are: they must be the ones it was
+    built for (one-line ValueErrors)."""
+    if cfg.uses_features and cfg.n_features != len(target.feature_layers):
+        raise ValueError(f"drafter expects {cfg.n_features} target features, the target gives "
+                         f"{len(target.feature_layers)} (target.feature_layers={target.feature_layers})")
+    if cfg.reads_kv and cfg.n_kv_layers != len(target.kv_layers):
+        raise ValueError(f"drafter expects {cfg.n_kv_layers} target KV layers, the target gives "
+                         f"{len(target.kv_layers)} (target.kv_layers={target.kv_layers})")
+    if cfg.vocab_size != target.vocab_size:
+        raise ValueError(f"drafter vocab_size={cfg.vocab_size} != target vocab size {target.vocab_size}")
+
+
 class DrafterProposer:
     """Tree proposals from a drafter that reads the target's live features/KV; batch 1.
 
@@ -30,14 +43,7 @@ class DrafterProposer:
 
     def __init__(self, drafter: Drafter, target: Target):
         cfg = drafter.config
-        if cfg.uses_features and cfg.n_features != len(target.feature_layers):
-            raise ValueError(f"drafter expects {cfg.n_features} target features, the target gives "
-                             f"{len(target.feature_layers)} (target.feature_layers={target.feature_layers})")
-        if cfg.reads_kv and cfg.n_kv_layers != len(target.kv_layers):
-            raise ValueError(f"drafter expects {cfg.n_kv_layers} target KV layers, the target gives "
-                             f"{len(target.kv_layers)} (target.kv_layers={target.kv_layers})")
-        if cfg.vocab_size != target.vocab_size:
-            raise ValueError(f"drafter vocab_size={cfg.vocab_size} != target vocab size {target.vocab_size}")
+        check_fits(cfg, target)
         self.drafter = drafter.to(device=target.device, dtype=target.dtype).eval()
         self.target = target
         self.cfg = cfg
