@@ -240,16 +240,20 @@ class _UnrollContext:
 # -- training -------------------------------------------------------------------------------------------------
 
 def sample_anchors(loss_mask: torch.Tensor, attention_mask: torch.Tensor | None = None,
-                   max_anchors: int | None = None, generator: torch.Generator | None = None) -> torch.Tensor:
+                   max_anchors: int | None = None, generator: torch.Generator | None = None,
+                   span: int = 1) -> torch.Tensor:
     """Anchors for one training batch: bool [B, T], a uniform random subset of at most `max_anchors` positions per
-    sequence among those whose token t+2 (the first predicted one) is a loss token and not padding.
-    max_anchors None or 0: every such position."""
+    sequence among those whose block carries loss: one of its first `span` predicted tokens t+2 .. t+1+span is a
+    loss token and not padding (span = block_size - 1: every anchor the loss can reach, as the TTT unroll scores
+    every position some step of which is scored). max_anchors None or 0: every such position."""
     B, T = loss_mask.shape
     ok = loss_mask.to(torch.bool)
     if attention_mask is not None:
         ok = ok & attention_mask.to(torch.bool)
     cand = torch.zeros(B, T, dtype=torch.bool, device=loss_mask.device)
-    cand[:, :max(T - 2, 0)] = ok[:, 2:]
+    for j in range(2, 2 + max(span, 1)):
+        if j < T:
+            cand[:, :T - j] |= ok[:, j:]
     if not max_anchors or max_anchors >= T:
         return cand
     score = torch.rand(B, T, generator=generator).to(loss_mask.device)

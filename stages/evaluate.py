@@ -59,11 +59,13 @@ def stepwise_masks(model, batch, lm_head_weight: torch.Tensor, steps: int,
 
     top = getattr(batch, "top1", None)                              # target id predicted after position t
     if model.config.variant == "block":     # block position k+1 of every anchor plays step k (models.block)
-        from models.block import block_unroll
+        from models.block import block_unroll, sample_anchors
 
+        # the blocks some scored token lies in: the others' predictions are never counted
+        anchors = sample_anchors(batch.loss_mask, batch.attention_mask, None, span=model.config.block_size - 1)
         out = block_unroll(model, batch.input_ids, batch.loss_mask, attention_mask=batch.attention_mask,
                            features=batch.features if model.config.uses_features else None,
-                           target_kv=batch.kv if model.config.reads_kv else None,
+                           target_kv=batch.kv if model.config.reads_kv else None, anchors=anchors,
                            target_hidden=batch.last_hidden, lm_head_weight=lm_head_weight, return_logits=True)
         out.top1 = [z.argmax(-1) for z in out.logits[:steps]]
     else:

@@ -82,8 +82,8 @@ class TrainParams(Section):
     # start from the weights of a trained run of the same variant and shape (a run directory; relative paths are
     # taken from the workspace root): more epochs, or other data, for a drafter already trained
     continue_from: str | None = None
-    # block drafters: anchors (blocks) per conversation and step, drawn at random among the positions that carry
-    # loss; 0 = every such position (the block counterpart of the TTT unroll scoring every position)
+    # block drafters: anchors (blocks) per conversation and step, drawn at random among the positions whose block
+    # carries loss; 0 = every such position (the block counterpart of the TTT unroll scoring every position)
     block_anchors: int = Field(0, ge=0)
 
 
@@ -497,8 +497,9 @@ def ttt_step(model, batch: TargetBatch, lm_head_weight: torch.Tensor, params: Tr
     if model.config.variant == "block":
         from models.block import block_unroll, sample_anchors
 
-        anchors = sample_anchors(batch.loss_mask, batch.attention_mask, params.block_anchors or None, generator) \
-            if params.block_anchors else None
+        # the blocks the loss reaches (all of them, or block_anchors of them at random): no other block is computed
+        anchors = sample_anchors(batch.loss_mask, batch.attention_mask, params.block_anchors or None, generator,
+                                 span=model.config.block_size - 1)
         return block_unroll(model, batch.input_ids, batch.loss_mask, attention_mask=batch.attention_mask,
                             features=batch.features if model.config.uses_features else None,
                             target_kv=batch.kv if model.config.reads_kv else None,

@@ -164,6 +164,28 @@ def test_target_hidden_path_and_scoring_rule():
     assert float(a.loss) == pytest.approx(sum(0.5 ** k * l for k, l in enumerate(a.losses)), rel=1e-5)
 
 
+def test_blocks_the_loss_reaches_are_all_that_counts():
+    """Anchors restricted to the blocks that hold a loss token (the trainer's and the evaluator's default) give the
+    same losses, counts and gradients as every position as an anchor, and the scored logits are the same."""
+    tgt = tiny("llama")
+    ids, feats, kv, logits = capture(tgt, B=2, T=14)
+    mask = torch.zeros(2, 14)
+    mask[0, 8:], mask[1, 5:11] = 1, 1
+    runs = []
+    for anchors in (None, sample_anchors(mask, None, None, span=BS - 1)):
+        d = make_drafter(tgt, variant="block", block_size=BS, context="both")
+        out = block_unroll(d, ids, mask, features=feats, target_kv=kv, target_logits=logits, anchors=anchors,
+                           return_logits=True)
+        out.loss.backward()
+        runs.append((out, {n: p.grad.clone() for n, p in d.named_parameters() if p.grad is not None}))
+    (full, g_full), (few, g_few) = runs
+    assert full.counts == few.counts and full.losses == pytest.approx(few.losses, abs=1e-6)
+    assert g_full.keys() == g_few.keys()
+    for n in g_full:
+        torch.testing.assert_close(g_full[n], g_few[n], atol=1e-5, rtol=1e-4, msg=n)
+    assert int(sample_anchors(mask, None, None, span=BS - 1).sum()) < 2 * 14
+
+
 def test_bf16_autocast_pass_is_close_to_fp32():
     tgt = tiny("llama")
     ids, feats, kv, logits = capture(tgt, B=2, T=16)
