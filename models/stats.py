@@ -159,11 +159,14 @@ def point(counts: ConversationCounts) -> Draws:
 # -- intervals and decisions -----------------------------------------------------------------------------------
 
 def interval(values: np.ndarray, level: float = 0.95) -> tuple[float, float]:
-    """Percentile interval of the finite resampled values; (nan, nan) when too few are finite."""
+    """Percentile interval of the resampled values; (nan, nan) when it is undefined: fewer than 20 draws, or more
+    than (1 - level) / 2 of them undefined (an α_k whose chains live in a handful of conversations is undefined
+    whenever the resample misses them: its interval is not the spread of the draws that happen to hit them)."""
     x = np.asarray(values, dtype=np.float64)
-    x = x[np.isfinite(x)]
-    if x.size < 20:
+    finite = np.isfinite(x)
+    if x.size < 20 or (~finite).mean() > (1 - level) / 2:
         return math.nan, math.nan
+    x = x[finite]
     lo, hi = np.quantile(x, [(1 - level) / 2, 1 - (1 - level) / 2])
     return float(lo), float(hi)
 

@@ -32,7 +32,7 @@ from stages.results import (LOOKUP_KIND, PAPER_TREE, E2EGroup, Results, Setting,
 
 PAPER_NUMBERS = Path(__file__).with_name("paper_numbers.yaml")
 PAPER_LABEL = "paper (Qwen3-8B)"
-FEW_CHAINS = 50   # an α_k measured on fewer chains than this shows its count
+FEW_CHAINS = 100   # an α_k measured on fewer chains than this shows its count
 
 
 class ReportParams(Section):

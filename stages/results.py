@@ -396,7 +396,8 @@ def label(s: "Setting | E2EGroup", with_scale: bool | None = None) -> str:
     if v in ("hybrid", "cross_only") and f.get("init"):
         parts.append(f"{f['init']} init")
     if v == "block":
-        parts.append(f"{f.get('context') or 'hidden'} context, B={f.get('block_size')}")
+        size = f.get("block_size")
+        parts.append(f"{f.get('context') or 'hidden'} context, B={int(size) if size == size and size else size}")
     study = getattr(s, "study", None)
     if f.get("scale") and (with_scale if with_scale is not None else study == "scale"):
         parts.append(f"scale {f['scale']}")

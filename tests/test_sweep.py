@@ -49,7 +49,7 @@ def test_two_axes_cartesian_and_single_values_apply_to_all():
 def test_study_expansion_grid_plus_include():
     cfg = load_config("default")
     depth = plan(cfg, study="depth")
-    assert [t.name for t in depth] == ["kv_only-d1", "kv_only-d2", "kv_only-d3", "kv_only-d4", "eagle3"]
+    assert [t.name for t in depth] == ["kv_only-d1", "kv_only-d2", "kv_only-d4", "eagle3"]
     inj = plan(cfg, study="injection")
     assert [t.name for t in inj] == ["kv_only-linear-norope", "kv_only-linear-ropefix", "kv_only-head_concat",
                                      "kv_only-no_target", "eagle3"]
