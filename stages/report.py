@@ -266,8 +266,10 @@ def _kind_cell(g: E2EGroup | None, kind: str, name: str, level: float, digits: i
 
 
 def scale_table(settings: list[Setting], e2e: list[E2EGroup], paper: dict | None, data_sizes: dict,
-                level: float) -> str:
-    """Variant x data scale: step MAT and its baseline difference, τ at the paper and tuned trees, speedup, ..."""
+                level: float, labels: Callable[[dict], str] | None = None,
+                pool: list[Setting] | None = None) -> str:
+    """Variant x data scale: step MAT and its baseline difference, τ at the paper and tuned trees, speedup, ...
+    (`labels` names a row's drafter; the scale study's names variant and init)."""
     def scale_cell(scale: Any) -> str:
         size = data_sizes.get(scale) if isinstance(data_sizes, dict) and scale is not None else None
         return "–" if scale is None else f"{scale} ({size})" if isinstance(size, (int, float)) else str(scale)
@@ -287,11 +289,13 @@ def scale_table(settings: list[Setting], e2e: list[E2EGroup], paper: dict | None
     records = []
     for fields, s, g in lines:
         prow = _paper_row(paper, fields)
-        rec = {"drafter": variant_name(fields) + (f", {fields['init']} init" if fields.get("variant") in
-                                                  ("hybrid", "cross_only") and fields.get("init") else ""),
+        rec = {"drafter": labels(fields) if labels else variant_name(fields) + (
+                   f", {fields['init']} init" if fields.get("variant") in ("hybrid", "cross_only")
+                   and fields.get("init") else ""),
                "data scale": scale_cell(fields.get("scale")), "seeds": _seeds(s) if s else "–",
                "step MAT": ("failed" if s.n == 0 else cell(s, "step_mat", level)) if s else "–",
-               "Δ step MAT vs baseline": _vs_cell(s, baseline_for(s, settings), "step_mat", level) if s else "–",
+               "Δ step MAT vs baseline": _vs_cell(s, baseline_for(s, pool or settings), "step_mat", level)
+               if s else "–",
                f"τ {_tree(list(PAPER_TREE))}": _kind_cell(g, "paper", "tau", level),
                f"τ {_tree(list(PAPER_TREE))} {PAPER_LABEL}":
                    f"{prow['tau_paper_tree']:.2f}" if prow and prow.get("tau_paper_tree") is not None else "–",
@@ -546,10 +550,13 @@ def run(params: ReportParams, context: dict, paths: Paths, report: Report) -> No
             if name != "scale":
                 continue
         matched = _matched(paper, [s.fields for s in settings or []])
+        own = [g for g in e2e if name in g.studies]
         if name == "scale":
             if res.e2e is None:
                 md += ["**missing**: no `metrics/e2e.json` (nothing was decoded end to end).", ""]
-            md += [scale_table(settings or [], e2e, paper, context.get("data_sizes") or {}, params.level), ""]
+            elsewhere = {s for g in e2e for s in g.studies if s != "scale" and s in res.names}
+            shown = [g for g in e2e if "scale" in g.studies or not (g.studies & elsewhere)]
+            md += [scale_table(settings or [], shown, paper, context.get("data_sizes") or {}, params.level), ""]
             baselines = e2e_baselines(res.e2e_rows or [])
             if baselines:
                 md += [baselines, ""]
@@ -562,6 +569,12 @@ def run(params: ReportParams, context: dict, paths: Paths, report: Report) -> No
             if name != "scale":
                 md += ["Step accuracy (the paper-comparable α_k):", "", step_table(name, settings, paper,
                                                                                   params.level), ""]
+            if name != "scale" and own:
+                decoded = [s for s in settings if any(all(g.fields.get(k) == s.fields.get(k) for k in s.fields)
+                                                      for g in own)]
+                md += ["End to end (lossless tree decoding, the same run as the scale study's):", "",
+                       scale_table(decoded, own, None, context.get("data_sizes") or {}, params.level,
+                                   labels=lambda f: label(Setting(name, f, {}, [], 0, [], {})), pool=settings), ""]
                 note = _paper_notes(paper, ("alpha_0", "alpha_3", "alpha_6", "retention", "mat"), matched)
                 if note:
                     md += [note, ""]

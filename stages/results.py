@@ -244,6 +244,7 @@ class E2EGroup:
     kinds: dict[str, E2EKind]          # "paper", "tuned", "tuned_lookup"
     lossless: bool | None
     n_rows: int
+    studies: set[str] = field(default_factory=set)    # the studies its drafters came from (none: a baseline)
 
 
 def tree_kind(row: dict) -> str:
@@ -308,7 +309,8 @@ def e2e_groups(rows: list[dict], trial_settings: dict[tuple, dict], resampler: R
                 kinds[kind] = _e2e_kind(chosen, resampler)
         lossless = [r.get("lossless") for r in group if r.get("lossless") is not None]
         out.append(E2EGroup(dict(zip(SETTING_KEYS, key)), sorted({str(r.get("trial")) for r in group}), kinds,
-                            all(lossless) if lossless else None, len(group)))
+                            all(lossless) if lossless else None, len(group),
+                            {str(r["study"]) for r in group if r.get("study")}))
     return out
 
 
