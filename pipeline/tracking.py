@@ -60,11 +60,15 @@ def experiment_name(params: Any, study: str) -> str:
 
 
 def git_commit(root: Path) -> str:
-    """HEAD of the project's git repo ('+dirty' when tracked files changed), or 'unknown'."""
+    """HEAD of the project's git repo ('+dirty' when tracked files changed), or 'unknown'.
+
+    dvc.lock is left out of the check: `dvc repro` itself rewrites it, so counting it would mark every run dirty.
+    """
     try:
         head = subprocess.run(["git", "-C", str(root), "rev-parse", "HEAD"], capture_output=True, text=True,
                               timeout=10).stdout.strip()
-        dirty = subprocess.run(["git", "-C", str(root), "status", "--porcelain", "--untracked-files=no"],
+        dirty = subprocess.run(["git", "-C", str(root), "status", "--porcelain", "--untracked-files=no",
+                                "--", ":/", ":(top,exclude)dvc.lock"],
                                capture_output=True, text=True, timeout=10).stdout.strip()
     except (OSError, subprocess.SubprocessError):
         return "unknown"

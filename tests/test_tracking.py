@@ -141,3 +141,25 @@ def test_ui_serves_the_project_runs_on_localhost(cfg, tmp_path):
     finally:
         server.stop()
     assert not server.alive() and not answers(server.url)
+
+
+def test_git_commit_is_dirty_for_code_changes_but_not_for_dvc_lock(tmp_path):
+    import subprocess
+
+    from pipeline.tracking import git_commit
+
+    def git(*args):
+        subprocess.run(["git", "-C", str(tmp_path), *args], check=True, capture_output=True)
+
+    git("init", "-q")
+    (tmp_path / "dvc.lock").write_text("a\n")
+    (tmp_path / "code.py").write_text("x = 1\n")
+    git("add", ".")
+    git("-c", "user.name=t", "-c", "user.email=t@t", "commit", "-qm", "init")
+    head = git_commit(tmp_path)
+    assert len(head) == 40 and not head.endswith("+dirty")
+    (tmp_path / "dvc.lock").write_text("b\n")
+    (tmp_path / "sub").mkdir()
+    assert git_commit(tmp_path / "sub") == head
+    (tmp_path / "code.py").write_text("x = 2\n")
+    assert git_commit(tmp_path / "sub") == head + "+dirty"
