@@ -45,9 +45,8 @@ from torch import nn
 
 from models.drafter import DraftModel, DrafterConfig, Injection, _compute_dtype
 from models.layers import MLP, KeyBlock, RMSNorm, attend, attend_block, expand_heads, head_map
-from models.metrics import step_counts
 from models.rope import apply_rope
-from models.ttt import TTTOutput, _shift, check_inputs, layout, soft_cross_entropy, teacher
+from models.ttt import TTTOutput, _shift, check_inputs, layout, score_steps, teacher
 
 # per layer, the context (K, V) of each source, hidden first then kv: [b, Hsrc, S, hd] each, heads not expanded
 ContextKV = dict[int, list[tuple[torch.Tensor, torch.Tensor]]]
@@ -320,29 +319,15 @@ def block_unroll(drafter: BlockDrafter, input_ids: torch.Tensor, loss_mask: torc
         idxs.append(idx)
         src.append(idx + 1 + k)
         picked.append(logits_rows[r, k] if return_logits else h[r, k + 1])
-    sizes = [i.numel() for i in idxs]
     z = torch.cat(picked) if return_logits else drafter.head(torch.cat(picked))
-    rows_src = torch.cat(src)
-    per_row = soft_cross_entropy(z, probs, rows_src)
-    hits = z.detach().max(-1).indices == tgt[rows_src]
-    step_of_row = torch.repeat_interleave(torch.arange(steps, device=dev), torch.tensor(sizes, device=dev))
-    loss_sum = torch.zeros(steps, device=dev, dtype=per_row.dtype).index_add(0, step_of_row, per_row)
-    per_step = loss_sum / torch.tensor(sizes, device=dev).clamp(min=1)
-    weights = decay ** torch.arange(steps, device=dev, dtype=per_step.dtype)
-    total = (per_step * weights).sum()
-    corrects = []
-    for idx, hit in zip(idxs, hits.split(sizes)):
-        correct = torch.zeros(B * T, dtype=torch.bool, device=dev)
-        correct[idx] = hit
-        corrects.append(correct)
-    counts = step_counts(torch.stack(corrects), torch.stack(valids))
+    total, losses, counts = score_steps(z, probs, tgt, idxs, src, valids, decay, B * T)
     all_logits = None
     if return_logits:
         full = logits_rows if rows is None else \
             logits_rows.new_zeros(B * T, steps, Vd).index_copy(0, rows, logits_rows)
         all_logits = [full[:, k].reshape(B, T, Vd) for k in range(steps)]
     drafter.last_gates = {}
-    return TTTOutput(loss=total, losses=per_step.detach().tolist(), counts=counts, gate_means={}, logits=all_logits)
+    return TTTOutput(loss=total, losses=losses, counts=counts, gate_means={}, logits=all_logits)
 
 
 # -- the reference --------------------------------------------------------------------------------------------

@@ -216,6 +216,30 @@ def layout(loss_mask: torch.Tensor, attention_mask: torch.Tensor | None, positio
     return attention_mask, position_ids, causal, loss_mask.to(torch.bool) & attention_mask
 
 
+def score_steps(z: torch.Tensor, probs: torch.Tensor, tgt: torch.Tensor, idxs: list[torch.Tensor],
+                sources: list[torch.Tensor], valids: list[torch.Tensor], decay: float, n: int
+                ) -> tuple[torch.Tensor, list[float], StepCounts]:
+    """Loss and counts of K steps from their scored rows stacked in `z` (step k's rows are positions `idxs[k]`
+    of the n flat positions, scored against the teacher at `sources[k]`): each step's mean soft cross-entropy,
+    weighted by decay**k and summed, and the top-1 hits against `tgt` counted where `valids[k]`."""
+    dev = z.device
+    steps = len(idxs)
+    sizes = [i.numel() for i in idxs]
+    src = torch.cat(sources)
+    per_row = soft_cross_entropy(z, probs, src)
+    hits = z.detach().max(-1).indices == tgt[src]
+    step_of_row = torch.repeat_interleave(torch.arange(steps, device=dev), torch.tensor(sizes, device=dev))
+    loss_sum = torch.zeros(steps, device=dev, dtype=per_row.dtype).index_add(0, step_of_row, per_row)
+    per_step = loss_sum / torch.tensor(sizes, device=dev).clamp(min=1)
+    weights = decay ** torch.arange(steps, device=dev, dtype=per_step.dtype)
+    corrects = []
+    for idx, hit in zip(idxs, hits.split(sizes)):
+        correct = torch.zeros(n, dtype=torch.bool, device=dev)
+        correct[idx] = hit
+        corrects.append(correct)
+    return (per_step * weights).sum(), per_step.detach().tolist(), step_counts(torch.stack(corrects), torch.stack(valids))
+
+
 def ttt_unroll(drafter: Drafter, input_ids: torch.Tensor, loss_mask: torch.Tensor,
                attention_mask: torch.Tensor | None = None, features: torch.Tensor | None = None,
                target_kv: list[tuple[torch.Tensor, torch.Tensor]] | None = None,
@@ -281,23 +305,8 @@ def _full_unroll(drafter: Drafter, input_ids, loss_mask, attention_mask, feature
             picked.append(h.reshape(B * T, -1)[idx])
         hidden = drafter.carry(h)
     # the head and the loss do not feed the next step: run them once over the scored rows of every step
-    sizes = [i.numel() for i in idxs]
     z = torch.cat(picked) if return_logits else drafter.head(torch.cat(picked))
-    src = torch.cat(rows)
-    per_row = soft_cross_entropy(z, probs, src)
-    hits = z.detach().max(-1).indices == tgt[src]
-    step_of_row = torch.repeat_interleave(torch.arange(steps, device=dev), torch.tensor(sizes, device=dev))
-    loss_sum = torch.zeros(steps, device=dev, dtype=per_row.dtype).index_add(0, step_of_row, per_row)
-    per_step = loss_sum / torch.tensor(sizes, device=dev).clamp(min=1)
-    weights = decay ** torch.arange(steps, device=dev, dtype=per_step.dtype)
-    total = (per_step * weights).sum()
-    losses = per_step.detach().tolist()
-    corrects = []
-    for idx, hit in zip(idxs, hits.split(sizes)):
-        correct = torch.zeros(B * T, dtype=torch.bool, device=dev)
-        correct[idx] = hit
-        corrects.append(correct)
-    counts = step_counts(torch.stack(corrects), torch.stack(valids))
+    total, losses, counts = score_steps(z, probs, tgt, idxs, rows, valids, decay, B * T)
     gates = {i: float(torch.stack(g).mean()) for i, g in ctx.gates.items()}
     drafter.last_gates = gates
     return TTTOutput(loss=total, losses=losses, counts=counts, gate_means=gates,
