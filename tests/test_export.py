@@ -362,6 +362,15 @@ def test_an_export_is_not_a_run_to_export_again(tmp_path, target, verifier):
         ex.export(tmp_path / "e", "speculators", tmp_path / "again", verifier)
 
 
+def test_an_export_is_not_a_run_to_continue_training(tmp_path, target, verifier):
+    from stages.train import copy_run_weights
+
+    ex.export(save_run_dir(tmp_path / "run", drafter_for(target)), "eagle3", tmp_path / "e", verifier)
+    with pytest.raises(StageError, match=r"train.continue_from=.*is an export \(eagle3 format\), not a training "
+                                         r"run; start from .*run instead"):
+        copy_run_weights(drafter_for(target), tmp_path / "e", "eagle3", "train.continue_from=e", "no trained drafter")
+
+
 def test_a_verifier_of_another_size_is_an_error(tmp_path, target):
     run = save_run_dir(tmp_path / "run", drafter_for(target))
     other = ex.Verifier.from_target(tiny8(hidden_size=64, num_heads=8), "other")
