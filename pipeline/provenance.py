@@ -4,7 +4,6 @@ from __future__ import annotations
 import datetime as dt
 import json
 import platform
-import subprocess
 from pathlib import Path
 
 from pipeline.config import ROOT, Config
@@ -12,13 +11,12 @@ from pipeline.config import ROOT, Config
 TIMINGS = "scratch/timings.json"
 
 
-def git_commit(root: Path = ROOT) -> str:
-    try:
-        out = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=root, capture_output=True, text=True,
-                             timeout=10)
-        return out.stdout.strip() or "unknown"
-    except (OSError, subprocess.SubprocessError):
-        return "unknown"
+def short_commit(root: Path = ROOT) -> str:
+    """The run's commit as the report prints it: tracking's HEAD (with its '+dirty' mark) shortened to 7 digits."""
+    from pipeline.tracking import git_commit
+
+    head, mark, rest = git_commit(root).partition("+")
+    return head if head == "unknown" else head[:7] + mark + rest
 
 
 def hardware() -> str:
@@ -50,7 +48,7 @@ def provenance(cfg: Config, paths) -> dict:
         "profile": cfg.profile,
         "target": cfg.target.source,
         "data_sizes": {"eval": cfg.data.eval_size, **cfg.data.scales},
-        "git_commit": git_commit(),
+        "git_commit": short_commit(),
         "date": dt.date.today().isoformat(),
         "hardware": hardware(),
         "wall_time_s": sum(times.values()) if times else None,

@@ -146,6 +146,7 @@ def test_ui_serves_the_project_runs_on_localhost(cfg, tmp_path):
 def test_git_commit_is_dirty_for_code_changes_but_not_for_dvc_lock(tmp_path):
     import subprocess
 
+    from pipeline.provenance import short_commit
     from pipeline.tracking import git_commit
 
     def git(*args):
@@ -161,5 +162,8 @@ def test_git_commit_is_dirty_for_code_changes_but_not_for_dvc_lock(tmp_path):
     (tmp_path / "dvc.lock").write_text("b\n")
     (tmp_path / "sub").mkdir()
     assert git_commit(tmp_path / "sub") == head
+    assert short_commit(tmp_path) == head[:7]
     (tmp_path / "code.py").write_text("x = 2\n")
     assert git_commit(tmp_path / "sub") == head + "+dirty"
+    assert short_commit(tmp_path) == head[:7] + "+dirty"  # the report's commit carries the same mark
+    assert short_commit(tmp_path / "missing") == "unknown"
