@@ -34,6 +34,9 @@ def _fail(message: str) -> None:
 _STATE: dict = {}
 
 
+UNTIMED = object()   # returned by a command body whose run is not the stage's work (a dry run, nothing left to do)
+
+
 def _guarded(fn: Callable[[], object], command: str | None = None) -> object:
     """Run a command body, turning known user-facing errors into one line and exit code 2; a stage command's
     wall time is recorded in its workspace for the report's provenance."""
@@ -45,6 +48,8 @@ def _guarded(fn: Callable[[], object], command: str | None = None) -> object:
     start = time.perf_counter()
     try:
         out = fn()
+        if out is UNTIMED:
+            return None
         if command and "root" in _STATE:
             from pipeline.provenance import record_time
             record_time(_STATE["root"], command, time.perf_counter() - start)
@@ -259,7 +264,7 @@ def sweep(overrides: Optional[list[str]] = OverridesArg, profile: Optional[str] 
         trials = runner.plan(cfg, axes, study)
         if dry_run:
             runner.show_plan(trials, console=Console())
-            return
+            return UNTIMED
         check_hardware(cfg)
         cache = os.environ.get("KVSHOT_MODEL_CACHE")
         paths = Paths(root=rootp, cache=Path(cache) if cache else None)
@@ -267,6 +272,8 @@ def sweep(overrides: Optional[list[str]] = OverridesArg, profile: Optional[str] 
         write_curves(paths, trials[0].study if trials else (study or "adhoc"))
         if result.failed:
             _fail(f"{result.failed} of {len(trials)} trials failed: {', '.join(result.failed_names)}")
+        # a sweep that only adopted finished trials keeps the wall time of the one that trained them
+        return None if result.ran else UNTIMED
     _guarded(body, f"sweep:{study or 'adhoc'}")
 
 

@@ -94,8 +94,15 @@ def test_sweeps_track_in_mlflow_and_skip_finished_trials(smoke):
     first = kvshot("sweep", "depth=2,3,4", "--root", str(ws), env=env, cwd=ws)
     assert first.returncode == 0, first.stdout[-2000:] + first.stderr[-2000:]
     assert "2 ran, 1 reused" in first.stdout, first.stdout[-2000:]
+    timings = lambda: json.loads((ws / "scratch" / "timings.json").read_text())  # noqa: E731
+    trained_in = timings()["sweep:adhoc"]
+    assert trained_in > 0
     again = kvshot("sweep", "depth=2,3,4", "--root", str(ws), env=env, cwd=ws)
     assert again.returncode == 0 and "0 ran" in again.stdout, again.stdout[-2000:]
+    dry = kvshot("sweep", "depth=2,3,4", "--dry-run", "--root", str(ws), env=env, cwd=ws)
+    assert dry.returncode == 0, dry.stderr[-2000:]
+    # neither adopting every trial nor a dry run is the study's wall time: the report keeps the training run's
+    assert timings()["sweep:adhoc"] == trained_in
     grown = kvshot("sweep", "depth=2,3,4,5", "--root", str(ws), env=env, cwd=ws)
     assert grown.returncode == 0 and "1 ran" in grown.stdout, grown.stdout[-2000:]
 
