@@ -207,8 +207,8 @@ def load_verifier(params: TargetParams, paths, name_or_path: str | None = None) 
 
 # -- reading a run ----------------------------------------------------------------------------------------------
 
-def export_format(directory: Path) -> str | None:
-    """The format of an exported directory ('eagle3' / 'speculators'), None for anything else."""
+def exported_config(directory: Path) -> tuple[str, dict] | None:
+    """(format 'eagle3' / 'speculators', its config.json) of an exported directory, None for anything else."""
     cfg_file = Path(directory) / CONFIG_FILE
     if not cfg_file.is_file():
         return None
@@ -219,10 +219,16 @@ def export_format(directory: Path) -> str | None:
     if not isinstance(config, dict) or "drafter" in config:
         return None
     if config.get("speculators_model_type") == "eagle3":
-        return "speculators"
+        return "speculators", config
     if EAGLE3_ARCH in (config.get("architectures") or []):
-        return "eagle3"
+        return "eagle3", config
     return None
+
+
+def export_format(directory: Path) -> str | None:
+    """The format of an exported directory ('eagle3' / 'speculators'), None for anything else."""
+    found = exported_config(directory)
+    return found[0] if found else None
 
 
 def read_finished_run(run_dir: Path) -> tuple[dict, dict[str, torch.Tensor]]:
@@ -591,10 +597,10 @@ def read_export(directory: Path) -> tuple[Any, dict[str, torch.Tensor], dict[str
     from models.drafter import DrafterConfig
 
     directory = Path(directory)
-    fmt = export_format(directory)
-    if fmt is None:
+    found = exported_config(directory)
+    if found is None:
         raise StageError(f"{directory}: not an exported drafter (no EAGLE-3 or speculators config.json)")
-    raw = json.loads((directory / CONFIG_FILE).read_text())
+    fmt, raw = found
     fields = raw.get("transformer_layer_config") if fmt == "speculators" else raw
     prov = raw.get("kvshot") or {}         # the provenance kvshot writes; engines ignore it, exports may lack it
     trained_on = ((prov.get("params") or {}).get("target") or {}).get("source", "")

@@ -8,7 +8,6 @@ so a resumed run sees exactly the batches an uninterrupted one would and ends wi
 """
 from __future__ import annotations
 
-import json
 import math
 import time
 from dataclasses import dataclass
@@ -314,12 +313,12 @@ def copy_run_weights(model, run: Path, variant: str, what: str, missing: str) ->
     """Copy the tensors the trained `variant` run in `run` shares with `model` (same names, shapes checked);
     returns (loaded, new) names. Every problem is a one-line StageError starting with `what`."""
     from models.drafter import init_from_eagle3
-    from stages.export import export_format
+    from stages.export import exported_config
 
-    fmt = export_format(run)
-    if fmt is not None:      # an engine's layout: no optimizer-side names or kvshot config to continue from
-        source = ((json.loads((Path(run) / ckpt.CONFIG_FILE).read_text()).get("kvshot") or {}).get("run")
-                  or "the run it was exported from")
+    exported = exported_config(run)
+    if exported is not None:      # an engine's layout: no optimizer-side names or kvshot config to continue from
+        fmt, raw = exported
+        source = (raw.get("kvshot") or {}).get("run") or "the run it was exported from"
         raise StageError(f"{what}: {run} is an export ({fmt} format), not a training run; start from {source} "
                          f"instead")
     if not ckpt.is_trained(run):
