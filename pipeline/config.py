@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import difflib
 import itertools
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -308,6 +309,36 @@ def check_hardware(cfg: Config) -> None:
     if wants_cuda and not torch.cuda.is_available():
         raise ConfigError(f"profile {cfg.profile!r} needs a CUDA GPU (target.device={cfg.target.device!r}) "
                           "and none is available on this machine")
+    note = precision_warning(cfg)
+    if note and note not in _WARNED:
+        _WARNED.add(note)
+        print(note, file=sys.stderr)
+
+
+_WARNED: set[str] = set()
+
+
+def precision_warning(cfg: Config, native: bool | None = None) -> str | None:
+    """One line when the config computes in bf16 on a CPU that only emulates it (no AVX512_BF16 / AMX), where
+    bf16 runs several times slower than fp32; `native` overrides the detection (tests). None when all is well."""
+    from stages.common import native_bf16
+
+    if cfg.target.device not in ("cpu", "auto") or (cfg.target.device == "auto" and _has_cuda()):
+        return None
+    keys = [k for k, bf16 in (("target.dtype", cfg.target.dtype != "float32"), ("train.precision",
+                              cfg.train.precision == "bf16"), ("e2e.dtype", cfg.e2e.dtype == "bfloat16")) if bf16]
+    if not keys or (native if native is not None else native_bf16("cpu")):
+        return None
+    fix = " ".join({"target.dtype": "target.dtype=float32", "train.precision": "train.precision=fp32",
+                    "e2e.dtype": "e2e.dtype=float32"}[k] for k in keys)
+    return (f"warning: {', '.join(keys)} ask for bf16, which this CPU only emulates (no native bf16 matmuls), so "
+            f"it runs several times slower than fp32 here (benchmarks/precision.py measures it); {fix} is faster "
+            "(fp32 numerics: the trials get new fingerprints)")
+
+
+def _has_cuda() -> bool:
+    import torch
+    return torch.cuda.is_available()
 
 
 def flatten(cfg: Config | dict, prefix: str = "") -> dict[str, Any]:

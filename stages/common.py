@@ -148,6 +148,19 @@ def quiet_library_bars() -> None:
     hf_logging.disable_progress_bar()
 
 
+def native_bf16(device: str = "cpu") -> bool:
+    """Whether bf16 matmuls run natively on `device`: CUDA's own answer, or on CPU whether oneDNN has bf16
+    kernels (AVX512_BF16 or AMX). Elsewhere PyTorch emulates bf16, several times slower than fp32."""
+    import torch
+
+    if str(device).startswith("cuda"):
+        return torch.cuda.is_available() and torch.cuda.is_bf16_supported()
+    try:
+        return bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
+    except (AttributeError, RuntimeError):   # a build without oneDNN: nothing to tell, assume it is fine
+        return True
+
+
 def load_target_for(params: TargetParams, paths: Paths):
     """Load the configured target (the embedded one cached as safetensors under scratch/ for fast reloads)."""
     from models.target import load_target

@@ -3,7 +3,7 @@ import pytest
 import yaml
 
 from pipeline.config import (ConfigError, expand_grid, flatten, load_config, parse_overrides, profile_path,
-                             resolve_key, check_hardware)
+                             resolve_key, check_hardware, precision_warning)
 
 
 @pytest.mark.parametrize("profile", ["default", "smoke", "paper"])
@@ -98,6 +98,39 @@ def test_paper_profile_fails_fast_without_cuda():
         pytest.skip("this machine has a GPU")
     with pytest.raises(ConfigError, match="needs a CUDA GPU"):
         check_hardware(cfg)
+
+
+def test_bf16_on_a_cpu_that_emulates_it_is_named_with_the_faster_overrides():
+    cfg = load_config("study")
+    note = precision_warning(cfg, native=False)
+    assert note.startswith("warning: target.dtype, train.precision, e2e.dtype ask for bf16")
+    assert "target.dtype=float32 train.precision=fp32 e2e.dtype=float32" in note and "\n" not in note
+    assert precision_warning(cfg, native=True) is None
+    only_train = load_config("study", ["target.dtype=float32", "e2e.dtype=float32"])
+    assert "train.precision=fp32 is faster" in precision_warning(only_train, native=False)
+    fp32 = load_config("study", ["target.dtype=float32", "train.precision=fp32", "e2e.dtype=float32"])
+    assert precision_warning(fp32, native=False) is None
+    assert precision_warning(load_config("paper"), native=False) is None     # a CUDA profile: not this check
+
+
+def test_check_hardware_prints_the_bf16_warning_once(monkeypatch, capsys):
+    import pipeline.config as config
+    import stages.common
+
+    monkeypatch.setattr(stages.common, "native_bf16", lambda device="cpu": False)
+    monkeypatch.setattr(config, "_WARNED", set())
+    cfg = load_config("smoke")
+    check_hardware(cfg)
+    check_hardware(cfg)
+    err = capsys.readouterr().err
+    assert err.count("which this CPU only emulates") == 1
+
+
+def test_native_bf16_agrees_with_onednn():
+    import torch
+    from stages.common import native_bf16
+
+    assert native_bf16("cpu") is bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
 
 
 def test_flatten_lists_every_leaf():

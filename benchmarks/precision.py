@@ -1,0 +1,109 @@
+"""bf16 against fp32 on this CPU, for the work the pipeline does: is bf16 the fast choice here?
+
+bf16 is only fast on CPUs with native bf16 matmuls (AVX512_BF16 or AMX: what oneDNN reports as bf16 support);
+elsewhere (AVX2-only CPUs, most laptops) PyTorch emulates it and bf16 is several times slower than fp32.
+Measures, interleaved in one run so that load on a shared machine hits both alike (median of `--repeats`):
+  * a target forward with hidden states and KV (the features stage: batch 8, `--tokens` tokens),
+  * one decode step of the target (batch 1, one token after a 300-token prefix: regeneration and e2e),
+  * one eagle3 TTT optimizer step on a chat batch (the train stage; bf16 autocast vs plain fp32).
+Prints each time, the fp32 speed-up (bf16 time / fp32 time) and one summary line.
+
+    python benchmarks/precision.py [--repeats 3] [--threads 2]
+"""
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import time
+from contextlib import nullcontext
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+from benchmarks.train import SMOLLM2, chat_batch, chat_lengths  # noqa: E402
+from models.drafter import DrafterConfig, build_drafter  # noqa: E402
+from models.target import load_target  # noqa: E402
+from models.ttt import ttt_unroll  # noqa: E402
+from stages.common import native_bf16  # noqa: E402
+
+
+def median_time(fn, repeats: int) -> float:
+    fn()                                   # warm-up: allocators, kernels, oneDNN primitives
+    times = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times)
+
+
+def target_jobs(dtype: torch.dtype, tokens: int) -> dict:
+    target = load_target("embedded", dtype="bfloat16" if dtype == torch.bfloat16 else "float32",
+                         cache_dir=ROOT / "scratch" / "models")
+    g = torch.Generator().manual_seed(0)
+    ids = torch.randint(0, target.vocab_size, (8, tokens), generator=g)
+    prefix = torch.randint(0, target.vocab_size, (1, 300), generator=g)
+    with torch.no_grad():
+        cache = target.model(input_ids=prefix, use_cache=True).past_key_values
+
+    def forward():
+        with torch.no_grad():
+            target.capture(ids)
+
+    def decode():
+        with torch.no_grad():
+            target.model(input_ids=prefix[:, -1:], past_key_values=cache, use_cache=True)
+            cache.crop(-1)
+
+    return {"target forward (features)": forward, "decode step (regenerate, e2e)": decode}
+
+
+def train_job(bf16: bool) -> dict:
+    d, V = SMOLLM2["hidden_size"], SMOLLM2["vocab_size"]
+    data = chat_batch(chat_lengths(4, 0), d, V)
+    if not bf16:
+        data = {k: v.float() if torch.is_tensor(v) and v.is_floating_point() else
+                [(a.float(), b.float()) for a, b in v] if k == "target_kv" else v for k, v in data.items()}
+    drafter = build_drafter(DrafterConfig(variant="eagle3", draft_vocab_size=16384, **SMOLLM2))
+    opt = torch.optim.AdamW(drafter.parameters(), lr=1e-4)
+
+    def step():
+        ctx = torch.autocast("cpu", dtype=torch.bfloat16) if bf16 else nullcontext()
+        with ctx:
+            out = ttt_unroll(drafter, steps=7, **data)
+        opt.zero_grad(set_to_none=True)
+        out.loss.backward()
+        opt.step()
+
+    return {"eagle3 train step (train)": step}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--tokens", type=int, default=192)
+    args = ap.parse_args()
+    torch.set_num_threads(args.threads)
+    print(f"CPU: {torch.backends.cpu.get_cpu_capability()}, native bf16: {native_bf16()}, {args.threads} threads")
+    jobs = {"bf16": {**target_jobs(torch.bfloat16, args.tokens), **train_job(True)},
+            "fp32": {**target_jobs(torch.float32, args.tokens), **train_job(False)}}
+    ratios = []
+    for name in jobs["bf16"]:
+        times = {"bf16": [], "fp32": []}
+        for _ in range(args.repeats):      # interleave the two precisions round by round
+            for p in ("bf16", "fp32"):
+                times[p].append(median_time(jobs[p][name], 1))
+        bf, fp = statistics.median(times["bf16"]), statistics.median(times["fp32"])
+        ratios.append(bf / fp)
+        print(f"{name:32s} bf16 {bf * 1e3:9.1f} ms   fp32 {fp * 1e3:9.1f} ms   fp32 speed-up {bf / fp:6.2f}x")
+    print(f"SUMMARY precision: native bf16 {native_bf16()}; fp32 speed-up over bf16 "
+          + ", ".join(f"{n.split(' (')[0]} {r:.2f}x" for n, r in zip(jobs["bf16"], ratios)))
+
+
+if __name__ == "__main__":
+    main()
