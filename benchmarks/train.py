@@ -1,8 +1,8 @@
 """Training speed of each drafter variant: one TTT optimizer step (forward, backward, AdamW) on CPU.
 
 SmolLM2-135M shapes (d=576, 9/3 heads, head_dim 64, SwiGLU 1536, vocab 49152, 16k draft vocabulary), random
-target tensors (features, KV, last hidden and the cached top-1; no model load), bf16 autocast, batch 1, every
-position scored (`--scored 0.5`: only the last half, as in a chat whose reply is half the tokens).
+target tensors (features, KV, last hidden and the cached top-1; no model load), bf16 autocast (fp32 on a CPU
+without native bf16 matmuls; `--precision`), batch 1, every position scored (`--scored 0.5`: only the last half, as in a chat whose reply is half the tokens).
 Prints per variant and length the K=7 and K=1 step times (median), their ratio, tokens/s and each variant's
 overhead over eagle3, then one summary line.
 Block drafters (`models.block`, one pass predicts block_size - 1 tokens): one `block_unroll` optimizer step per
@@ -11,7 +11,7 @@ position as anchor or `--anchors N` random anchors per sequence; and the memory 
 block sizes 4, 8, 16 (linear in B: the same increase per block position).
 overhead over eagle3; then loss tokens per second (`loss_throughput`): per variant on a realistic chat batch
 and on the anchor's shape, the default (compact) unroll against the full one over every position (`--no-compare`
-skips the latter), as multiples of the SpecForge anchor's step, and one epoch of chats in plain and length-bucketed
+skips the latter), as multiples of the SpecForge anchor rebuilt in `benchmarks/anchor.py` and timed on the same batches, and one epoch of chats in plain and length-bucketed
 order; then one summary line. On a machine shared with other work, `--threads 1 --clock process` (CPU time of
 this process) gives steadier ratios than wall time.
 
@@ -24,15 +24,18 @@ import argparse
 import statistics
 import sys
 import time
+from contextlib import nullcontext
 from pathlib import Path
 
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+from benchmarks.anchor import AnchorEagle3  # noqa: E402
 from models.block import block_unroll, sample_anchors  # noqa: E402
 from models.drafter import Drafter, DrafterConfig, build_drafter  # noqa: E402
 from models.ttt import ttt_unroll  # noqa: E402
+from stages.common import native_bf16  # noqa: E402
 
 SMOLLM2 = dict(hidden_size=576, num_heads=9, num_kv_heads=3, head_dim=64, intermediate_size=1536, vocab_size=49152,
                rms_norm_eps=1e-5, rope_theta=100000.0)
@@ -44,10 +47,24 @@ VARIANTS = {
     "hybrid": dict(variant="hybrid"),
     "cross_only": dict(variant="cross_only"),
 }
-# the anchor: SpecForge's own eagle3 TTT on this machine (bf16 autocast, no compile), seconds per step
-ANCHOR = {512: {7: 0.92, 1: 0.29}, 1024: {7: 3.83, 1: 0.83}}
-# its K=7 step at seq 512 compiled (torch.compile); every one of its 512 positions is scored
-ANCHOR_COMPILED_512 = 0.83
+# bf16 autocast where the CPU has native bf16 matmuls, else fp32 (emulated bf16 is many times slower: see
+# benchmarks/precision.py); `--precision` chooses
+BF16 = True
+
+
+def autocast():
+    return torch.autocast("cpu", dtype=torch.bfloat16) if BF16 else nullcontext()
+
+
+def in_precision(data: dict) -> dict:
+    """The batch's float tensors in fp32 when not training under bf16 (the cache stores bf16)."""
+    if BF16:
+        return data
+    def f(v):
+        if isinstance(v, list):
+            return [tuple(f(t) for t in pair) for pair in v]
+        return v.float() if torch.is_tensor(v) and v.is_floating_point() else v
+    return {k: f(v) for k, v in data.items()}
 
 
 def batch(T: int, d: int, V: int, scored: float = 1.0, seed: int = 0) -> dict:
@@ -97,7 +114,7 @@ def saved_bytes(drafter: Drafter, data: dict, steps: int | None = None, anchors:
         seen[st.data_ptr()] = st.nbytes()
         return t
 
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), torch.autocast("cpu", dtype=torch.bfloat16):
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), autocast():
         unroll(drafter, data, steps, anchors)
     return sum(seen.values())
 
@@ -114,7 +131,7 @@ def step_time(drafter: Drafter, opt, data: dict, steps: int | None, repeats: int
     times = []
     for i in range(repeats + 1):            # the first step warms up allocators and kernels
         t0 = time.perf_counter()
-        with torch.autocast("cpu", dtype=torch.bfloat16):
+        with autocast():
             out = unroll(drafter, data, steps, anchors)
         opt.zero_grad(set_to_none=True)
         out.loss.backward()
@@ -179,7 +196,7 @@ def timed_step(drafter: Drafter, opt, data: dict, repeats: int, clock, **kw) -> 
     times = []
     for i in range(repeats + 1):
         t0 = clock()
-        with torch.autocast("cpu", dtype=torch.bfloat16):
+        with autocast():
             out = ttt_unroll(drafter, steps=7, **data, **kw)
         opt.zero_grad(set_to_none=True)
         out.loss.backward()
@@ -190,25 +207,44 @@ def timed_step(drafter: Drafter, opt, data: dict, repeats: int, clock, **kw) -> 
     return statistics.median(times)
 
 
+def anchor_step_time(data: dict, args, clock) -> float:
+    """Median time of one K=7 optimizer step of the rebuilt SpecForge anchor (`benchmarks/anchor.py`) on `data`."""
+    torch.manual_seed(0)
+    model = AnchorEagle3(draft_vocab_size=args.draft_vocab, **SMOLLM2).train()
+    opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-4, fused=True)
+    times = []
+    for i in range(args.repeats + 1):
+        t0 = clock()
+        with autocast():
+            loss = model(**data, steps=7)
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 0.5)
+        opt.step()
+        if i:
+            times.append(clock() - t0)
+    return statistics.median(times)
+
+
 def loss_throughput(args, clock) -> list[str]:
     """Loss tokens/s per variant on a chat batch and on the anchor's shape, old (full) and new (compact) unroll,
-    against the SpecForge anchor; then an epoch of chats in plain and bucketed order. Returns summary parts."""
+    against the rebuilt SpecForge anchor timed on the same batches in this run; then an epoch of chats in plain
+    and bucketed order. Returns summary parts."""
     d, V = SMOLLM2["hidden_size"], SMOLLM2["vocab_size"]
-    eager, compiled = 512 / ANCHOR[512][7], 512 / ANCHOR_COMPILED_512
     chats = chat_lengths(args.chat_batch, args.chat_seed)
-    chat = chat_batch(chats, d, V)
+    chat = in_precision(chat_batch(chats, d, V))
     B, T = chat["input_ids"].shape
     n_chat = loss_tokens(chat)
     real = int(chat["attention_mask"].sum())
-    anchor_shape = batch(512, d, V, 1.0)
+    anchor_shape = in_precision(batch(512, d, V, 1.0))
     n_anchor = loss_tokens(anchor_shape)
-    print(f"\nloss tokens/s, K=7, {args.draft_vocab} draft vocabulary (the SpecForge anchor: {eager:.0f} eager, "
-          f"{compiled:.0f} compiled at seq 512, every position scored)")
+    anchors = [n_chat / anchor_step_time(chat, args, clock), n_anchor / anchor_step_time(anchor_shape, args, clock)]
+    print(f"\nloss tokens/s, K=7, {args.draft_vocab} draft vocabulary; the SpecForge anchor rebuilt "
+          f"(benchmarks/anchor.py), timed here: chat {anchors[0]:.0f}, seq 512 {anchors[1]:.0f}")
     print(f"  chat batch: {B} chats (prompt+answer {', '.join(f'{p}+{a}' for p, a in chats)}), padded to {T}: "
           f"{n_chat} loss tokens = {n_chat / (B * T):.0%} of the {B * T} positions, {n_chat / real:.0%} of the "
           f"{real} real tokens; anchor shape: seq 512, batch 1, {n_anchor} loss tokens (100%)")
-    head = "  variant          chat: full -> compact (x)   vs anchor eager/compiled |  seq 512: full -> compact (x)" \
-           "   vs anchor eager/compiled"
+    head = "  variant          chat: full -> compact (x)   vs anchor |  seq 512: full -> compact (x)   vs anchor"
     print(head if args.compare else head.replace("full -> compact (x)", "compact"))
     parts = []
     for name in args.variants:
@@ -217,18 +253,18 @@ def loss_throughput(args, clock) -> list[str]:
         drafter = Drafter(cfg).train()
         opt = torch.optim.AdamW([p for p in drafter.parameters() if p.requires_grad], lr=1e-4, fused=True)
         cols, rates = [], []
-        for data, n in ((chat, n_chat), (anchor_shape, n_anchor)):
+        for (data, n), anchor in zip(((chat, n_chat), (anchor_shape, n_anchor)), anchors):
             new = n / timed_step(drafter, opt, data, args.repeats, clock)
             if args.compare:
                 old = n / timed_step(drafter, opt, data, args.repeats, clock, compact=False)
-                cols.append(f"{old:5.0f} -> {new:5.0f} ({new / old:4.2f}x)   {new / eager:4.2f}x / {new / compiled:4.2f}x")
+                cols.append(f"{old:5.0f} -> {new:5.0f} ({new / old:4.2f}x)   {new / anchor:4.2f}x")
             else:
-                cols.append(f"{new:5.0f}   {new / eager:4.2f}x / {new / compiled:4.2f}x")
+                cols.append(f"{new:5.0f}   {new / anchor:4.2f}x")
             rates.append(new)
         print(f"  {name:15s}  " + "  |  ".join(cols), flush=True)
         if name == "eagle3":
-            parts.append(f"eagle3 loss tok/s chat {rates[0]:.0f} ({rates[0] / eager:.2f}x anchor), "
-                         f"seq512 {rates[1]:.0f} ({rates[1] / eager:.2f}x)")
+            parts.append(f"eagle3 loss tok/s chat {rates[0]:.0f} ({rates[0] / anchors[0]:.2f}x the anchor timed "
+                         f"here), seq512 {rates[1]:.0f} ({rates[1] / anchors[1]:.2f}x)")
     if args.epoch_chats and "eagle3" in args.variants:
         parts.append(bucketed_epoch(args, clock))
     if "eagle3" in args.variants:
@@ -258,7 +294,7 @@ def eval_throughput(args, chat: dict, clock) -> str:
         ts = []
         for i in range(args.repeats + 1):
             t0 = clock()
-            with torch.autocast("cpu", dtype=torch.bfloat16):
+            with autocast():
                 f()
             if i:
                 ts.append(clock() - t0)
@@ -286,7 +322,7 @@ def bucketed_epoch(args, clock) -> str:
         total_t, total_n, positions = 0.0, 0, 0
         for step in range(steps):
             idx = batch_indices(step, len(chats), 4, 0, lengths, window)
-            data = chat_batch([chats[i] for i in idx], d, V, seed=step)
+            data = in_precision(chat_batch([chats[i] for i in idx], d, V, seed=step))
             total_t += timed_step(drafter, opt, data, 1, clock)
             total_n += loss_tokens(data)
             positions += data["input_ids"].numel()
@@ -300,7 +336,7 @@ def bucketed_epoch(args, clock) -> str:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--seqs", type=int, nargs="+", default=[512, 1024])
+    ap.add_argument("--seqs", type=int, nargs="*", default=[512, 1024], help="step-time lengths (none: skip them)")
     ap.add_argument("--variants", nargs="+", default=list(VARIANTS), choices=list(VARIANTS))
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--draft-vocab", type=int, default=16384)
@@ -320,14 +356,18 @@ def main() -> None:
                     help="loss throughput of the default unroll only, not the full unroll beside it")
     ap.add_argument("--clock", choices=["wall", "process"], default="wall",
                     help="loss throughput timed in wall time or this process's CPU time")
+    ap.add_argument("--precision", choices=["auto", "bf16", "fp32"], default="auto",
+                    help="bf16 autocast or fp32 (auto: bf16 where the CPU has native bf16 matmuls)")
     args = ap.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
-    print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, bf16 autocast, batch 1, "
-          f"{args.scored:.0%} of positions scored")
+    global BF16
+    BF16 = args.precision == "bf16" or (args.precision == "auto" and native_bf16("cpu"))
+    print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, {'bf16 autocast' if BF16 else 'fp32'}, "
+          f"batch 1, {args.scored:.0%} of positions scored")
     results: dict = {}
     for T in args.seqs:
-        data = batch(T, SMOLLM2["hidden_size"], SMOLLM2["vocab_size"], args.scored)
+        data = in_precision(batch(T, SMOLLM2["hidden_size"], SMOLLM2["vocab_size"], args.scored))
         for name in args.variants:
             torch.manual_seed(0)
             cfg = DrafterConfig(draft_vocab_size=args.draft_vocab, **VARIANTS[name], **SMOLLM2)
@@ -346,10 +386,10 @@ def main() -> None:
                          f"(+{(mem[4] - mem[1]) / 3:.0f} and +{(mem[7] - mem[4]) / 3:.0f} MiB per step: linear in K)")
             print(f"seq {T:5d} {name:15s} K=7 {t7:6.3f} s  K=1 {t1:6.3f} s  K7/K1 {t7 / t1:4.2f}x  "
                   f"{T / t7:7.0f} tok/s  {over}", flush=True)
-        if (T, "eagle3") in results and T in ANCHOR:
-            t7, t1 = results[(T, "eagle3")]
-            a = ANCHOR[T]
-            print(f"seq {T:5d} eagle3 vs SpecForge anchor: K=7 {a[7] / t7:4.2f}x faster, K=1 {a[1] / t1:4.2f}x faster")
+        if (T, "eagle3") in results:
+            a = anchor_step_time(data, args, time.perf_counter)
+            print(f"seq {T:5d} eagle3 vs the SpecForge anchor timed here (K=7 {a:.3f} s): "
+                  f"{a / results[(T, 'eagle3')][0]:4.2f}x faster")
         block_rows(T, data, args, results)
     parts = []
     for T in args.seqs:
