@@ -4,7 +4,8 @@ bf16 is only fast on CPUs with native bf16 matmuls (AVX512_BF16 or AMX: what one
 elsewhere (AVX2-only CPUs, most laptops) PyTorch emulates it and bf16 is several times slower than fp32.
 Measures, interleaved in one run so that load on a shared machine hits both alike (median of `--repeats`):
   * a target forward with hidden states and KV (the features stage: batch 8, `--tokens` tokens),
-  * one decode step of the target (batch 1, one token after a 300-token prefix: regeneration and e2e),
+  * one decode step of the target at batch 16 after 120 tokens (regeneration), at batch 1 after 300 tokens, and
+    one verification of 8 tokens after 300 (speculative decoding, e2e),
   * one eagle3 TTT optimizer step on a chat batch (the train stage; bf16 autocast vs plain fp32).
 Prints each time, the fp32 speed-up (bf16 time / fp32 time) and one summary line.
 
@@ -47,8 +48,10 @@ def target_jobs(dtype: torch.dtype, tokens: int) -> dict:
     g = torch.Generator().manual_seed(0)
     ids = torch.randint(0, target.vocab_size, (8, tokens), generator=g)
     prefix = torch.randint(0, target.vocab_size, (1, 300), generator=g)
+    batch = torch.randint(0, target.vocab_size, (16, 120), generator=g)
     with torch.no_grad():
         cache = target.model(input_ids=prefix, use_cache=True).past_key_values
+        batch_cache = target.model(input_ids=batch, use_cache=True).past_key_values
 
     def forward():
         with torch.no_grad():
@@ -59,7 +62,18 @@ def target_jobs(dtype: torch.dtype, tokens: int) -> dict:
             target.model(input_ids=prefix[:, -1:], past_key_values=cache, use_cache=True)
             cache.crop(-1)
 
-    return {"target forward (features)": forward, "decode step (regenerate, e2e)": decode}
+    def verify():
+        with torch.no_grad():
+            target.model(input_ids=prefix[:, -8:], past_key_values=cache, use_cache=True)
+            cache.crop(-8)
+
+    def decode_batch():
+        with torch.no_grad():
+            target.model(input_ids=batch[:, -1:], past_key_values=batch_cache, use_cache=True)
+            batch_cache.crop(-1)
+
+    return {"target forward (features)": forward, "decode step, batch 16 (regenerate)": decode_batch,
+            "decode step, batch 1 (e2e)": decode, "verify 8 tokens (e2e)": verify}
 
 
 def train_job(bf16: bool) -> dict:

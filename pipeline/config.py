@@ -325,15 +325,17 @@ def precision_warning(cfg: Config, native: bool | None = None) -> str | None:
 
     if cfg.target.device not in ("cpu", "auto") or (cfg.target.device == "auto" and _has_cuda()):
         return None
-    keys = [k for k, bf16 in (("target.dtype", cfg.target.dtype != "float32"), ("train.precision",
-                              cfg.train.precision == "bf16"), ("e2e.dtype", cfg.e2e.dtype == "bfloat16")) if bf16]
+    # the forwards over whole conversations (features) and training are where emulation costs (4-25x); decode
+    # steps, a few rows each, cost about the same in both, so e2e.dtype is left out
+    keys = [k for k, bf16 in (("target.dtype", cfg.target.dtype != "float32"),
+                              ("train.precision", cfg.train.precision == "bf16")) if bf16]
     if not keys or (native if native is not None else native_bf16("cpu")):
         return None
-    fix = " ".join({"target.dtype": "target.dtype=float32", "train.precision": "train.precision=fp32",
-                    "e2e.dtype": "e2e.dtype=float32"}[k] for k in keys)
-    return (f"warning: {', '.join(keys)} ask for bf16, which this CPU only emulates (no native bf16 matmuls), so "
-            f"it runs several times slower than fp32 here (benchmarks/precision.py measures it); {fix} is faster "
-            "(fp32 numerics: the trials get new fingerprints)")
+    fix = " ".join({"target.dtype": "target.dtype=float32", "train.precision": "train.precision=fp32"}[k]
+                   for k in keys)
+    return (f"warning: {' and '.join(keys)} ask for bf16, which this CPU only emulates (no native bf16 matmuls): "
+            f"features and training run 4-25x slower than in fp32 here (benchmarks/precision.py measures it); "
+            f"{fix} is faster (fp32 numerics: the trials get new fingerprints)")
 
 
 def _has_cuda() -> bool:

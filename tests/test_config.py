@@ -103,12 +103,12 @@ def test_paper_profile_fails_fast_without_cuda():
 def test_bf16_on_a_cpu_that_emulates_it_is_named_with_the_faster_overrides():
     cfg = load_config("study")
     note = precision_warning(cfg, native=False)
-    assert note.startswith("warning: target.dtype, train.precision, e2e.dtype ask for bf16")
-    assert "target.dtype=float32 train.precision=fp32 e2e.dtype=float32" in note and "\n" not in note
+    assert note.startswith("warning: target.dtype and train.precision ask for bf16")
+    assert "target.dtype=float32 train.precision=fp32 is faster" in note and "\n" not in note
     assert precision_warning(cfg, native=True) is None
-    only_train = load_config("study", ["target.dtype=float32", "e2e.dtype=float32"])
+    only_train = load_config("study", ["target.dtype=float32"])
     assert "train.precision=fp32 is faster" in precision_warning(only_train, native=False)
-    fp32 = load_config("study", ["target.dtype=float32", "train.precision=fp32", "e2e.dtype=float32"])
+    fp32 = load_config("study", ["target.dtype=float32", "train.precision=fp32"])
     assert precision_warning(fp32, native=False) is None
     assert precision_warning(load_config("paper"), native=False) is None     # a CUDA profile: not this check
 
