@@ -17,7 +17,6 @@ import argparse
 import statistics
 import sys
 import time
-from contextlib import nullcontext
 from pathlib import Path
 
 import torch
@@ -25,26 +24,21 @@ import torch
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from benchmarks.train import SMOLLM2, chat_batch, chat_lengths  # noqa: E402
+from benchmarks.train import SMOLLM2, as_fp32, autocast, chat_batch, chat_lengths  # noqa: E402
 from models.drafter import DrafterConfig, build_drafter  # noqa: E402
 from models.target import load_target  # noqa: E402
 from models.ttt import ttt_unroll  # noqa: E402
 from stages.common import native_bf16  # noqa: E402
 
 
-def median_time(fn, repeats: int) -> float:
-    fn()                                   # warm-up: allocators, kernels, oneDNN primitives
-    times = []
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - t0)
-    return statistics.median(times)
+def seconds(fn) -> float:
+    t0 = time.perf_counter()
+    fn()
+    return time.perf_counter() - t0
 
 
-def target_jobs(dtype: torch.dtype, tokens: int) -> dict:
-    target = load_target("embedded", dtype="bfloat16" if dtype == torch.bfloat16 else "float32",
-                         cache_dir=ROOT / "scratch" / "models")
+def target_jobs(dtype: str, tokens: int) -> dict:
+    target = load_target("embedded", dtype=dtype, cache_dir=ROOT / "scratch" / "models")
     g = torch.Generator().manual_seed(0)
     ids = torch.randint(0, target.vocab_size, (8, tokens), generator=g)
     prefix = torch.randint(0, target.vocab_size, (1, 300), generator=g)
@@ -79,15 +73,12 @@ def target_jobs(dtype: torch.dtype, tokens: int) -> dict:
 def train_job(bf16: bool) -> dict:
     d, V = SMOLLM2["hidden_size"], SMOLLM2["vocab_size"]
     data = chat_batch(chat_lengths(4, 0), d, V)
-    if not bf16:
-        data = {k: v.float() if torch.is_tensor(v) and v.is_floating_point() else
-                [(a.float(), b.float()) for a, b in v] if k == "target_kv" else v for k, v in data.items()}
+    data = data if bf16 else as_fp32(data)
     drafter = build_drafter(DrafterConfig(variant="eagle3", draft_vocab_size=16384, **SMOLLM2))
     opt = torch.optim.AdamW(drafter.parameters(), lr=1e-4)
 
     def step():
-        ctx = torch.autocast("cpu", dtype=torch.bfloat16) if bf16 else nullcontext()
-        with ctx:
+        with autocast(bf16):
             out = ttt_unroll(drafter, steps=7, **data)
         opt.zero_grad(set_to_none=True)
         out.loss.backward()
@@ -104,14 +95,16 @@ def main() -> None:
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     print(f"CPU: {torch.backends.cpu.get_cpu_capability()}, native bf16: {native_bf16()}, {args.threads} threads")
-    jobs = {"bf16": {**target_jobs(torch.bfloat16, args.tokens), **train_job(True)},
-            "fp32": {**target_jobs(torch.float32, args.tokens), **train_job(False)}}
+    jobs = {"bf16": {**target_jobs("bfloat16", args.tokens), **train_job(True)},
+            "fp32": {**target_jobs("float32", args.tokens), **train_job(False)}}
     ratios = []
     for name in jobs["bf16"]:
+        for p in ("bf16", "fp32"):
+            jobs[p][name]()                # warm-up: allocators, kernels, oneDNN primitives
         times = {"bf16": [], "fp32": []}
         for _ in range(args.repeats):      # interleave the two precisions round by round
             for p in ("bf16", "fp32"):
-                times[p].append(median_time(jobs[p][name], 1))
+                times[p].append(seconds(jobs[p][name]))
         bf, fp = statistics.median(times["bf16"]), statistics.median(times["fp32"])
         ratios.append(bf / fp)
         print(f"{name:32s} bf16 {bf * 1e3:9.1f} ms   fp32 {fp * 1e3:9.1f} ms   fp32 speed-up {bf / fp:6.2f}x")

@@ -52,19 +52,23 @@ VARIANTS = {
 BF16 = True
 
 
-def autocast():
-    return torch.autocast("cpu", dtype=torch.bfloat16) if BF16 else nullcontext()
+def autocast(bf16: bool | None = None):
+    """bf16 autocast, or nothing for fp32; `bf16` None follows `--precision`."""
+    return torch.autocast("cpu", dtype=torch.bfloat16) if (BF16 if bf16 is None else bf16) else nullcontext()
 
 
-def in_precision(data: dict) -> dict:
-    """The batch's float tensors in fp32 when not training under bf16 (the cache stores bf16)."""
-    if BF16:
-        return data
+def as_fp32(data: dict) -> dict:
+    """The batch with its float tensors (the KV pairs' too) in fp32: the cache stores bf16."""
     def f(v):
         if isinstance(v, list):
             return [tuple(f(t) for t in pair) for pair in v]
         return v.float() if torch.is_tensor(v) and v.is_floating_point() else v
     return {k: f(v) for k, v in data.items()}
+
+
+def in_precision(data: dict) -> dict:
+    """The batch as `--precision` trains on it."""
+    return data if BF16 else as_fp32(data)
 
 
 def batch(T: int, d: int, V: int, scored: float = 1.0, seed: int = 0) -> dict:
@@ -126,20 +130,25 @@ def unroll(drafter, data: dict, steps: int | None, anchors: torch.Tensor | None 
     return ttt_unroll(drafter, steps=steps, **data)
 
 
-def step_time(drafter: Drafter, opt, data: dict, steps: int | None, repeats: int,
-              anchors: torch.Tensor | None = None) -> float:
+def median_step(loss_of, model: torch.nn.Module, opt, repeats: int, clock=time.perf_counter) -> float:
+    """Median time of one optimizer step (forward `loss_of()`, backward, clip, AdamW) after a warm-up step."""
     times = []
     for i in range(repeats + 1):            # the first step warms up allocators and kernels
-        t0 = time.perf_counter()
+        t0 = clock()
         with autocast():
-            out = unroll(drafter, data, steps, anchors)
+            loss = loss_of()
         opt.zero_grad(set_to_none=True)
-        out.loss.backward()
-        torch.nn.utils.clip_grad_norm_(drafter.parameters(), 0.5)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 0.5)
         opt.step()
         if i:
-            times.append(time.perf_counter() - t0)
+            times.append(clock() - t0)
     return statistics.median(times)
+
+
+def step_time(drafter: Drafter, opt, data: dict, steps: int | None, repeats: int,
+              anchors: torch.Tensor | None = None) -> float:
+    return median_step(lambda: unroll(drafter, data, steps, anchors).loss, drafter, opt, repeats)
 
 
 # -- loss tokens per second: what a step trains, per variant ---------------------------------------------------
@@ -193,18 +202,7 @@ def loss_tokens(data: dict) -> int:
 
 def timed_step(drafter: Drafter, opt, data: dict, repeats: int, clock, **kw) -> float:
     """Median time of one K=7 optimizer step (after a warm-up step) under `clock`."""
-    times = []
-    for i in range(repeats + 1):
-        t0 = clock()
-        with autocast():
-            out = ttt_unroll(drafter, steps=7, **data, **kw)
-        opt.zero_grad(set_to_none=True)
-        out.loss.backward()
-        torch.nn.utils.clip_grad_norm_(drafter.parameters(), 0.5)
-        opt.step()
-        if i:
-            times.append(clock() - t0)
-    return statistics.median(times)
+    return median_step(lambda: ttt_unroll(drafter, steps=7, **data, **kw).loss, drafter, opt, repeats, clock)
 
 
 def anchor_step_time(data: dict, args, clock) -> float:
@@ -212,24 +210,14 @@ def anchor_step_time(data: dict, args, clock) -> float:
     torch.manual_seed(0)
     model = AnchorEagle3(draft_vocab_size=args.draft_vocab, **SMOLLM2).train()
     opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-4, fused=True)
-    times = []
-    for i in range(args.repeats + 1):
-        t0 = clock()
-        with autocast():
-            loss = model(**data, steps=7)
-        opt.zero_grad(set_to_none=True)
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 0.5)
-        opt.step()
-        if i:
-            times.append(clock() - t0)
-    return statistics.median(times)
+    return median_step(lambda: model(**data, steps=7), model, opt, args.repeats, clock)
 
 
-def loss_throughput(args, clock) -> list[str]:
+def loss_throughput(args, clock, results: dict) -> list[str]:
     """Loss tokens/s per variant on a chat batch and on the anchor's shape, old (full) and new (compact) unroll,
-    against the rebuilt SpecForge anchor timed on the same batches in this run; then an epoch of chats in plain
-    and bucketed order. Returns summary parts."""
+    against the rebuilt SpecForge anchor timed on the same batches in this run (its seq-512 time from `results`
+    when the step-time rows timed it on this very batch); then an epoch of chats in plain and bucketed order.
+    Returns summary parts."""
     d, V = SMOLLM2["hidden_size"], SMOLLM2["vocab_size"]
     chats = chat_lengths(args.chat_batch, args.chat_seed)
     chat = in_precision(chat_batch(chats, d, V))
@@ -241,7 +229,8 @@ def loss_throughput(args, clock) -> list[str]:
     # the anchor trains one conversation per step without padding (SpecForge's batch size 1): time it on the same
     # chats one by one, which is cheaper for it than the padded batch
     alone = sum(anchor_step_time(in_precision(chat_batch([c], d, V)), args, clock) for c in chats)
-    anchors = [n_chat / alone, n_anchor / anchor_step_time(anchor_shape, args, clock)]
+    same = results.get((512, "anchor")) if args.scored == 1.0 and clock is time.perf_counter else None
+    anchors = [n_chat / alone, n_anchor / (same or anchor_step_time(anchor_shape, args, clock))]
     print(f"\nloss tokens/s, K=7, {args.draft_vocab} draft vocabulary; the SpecForge anchor rebuilt "
           f"(benchmarks/anchor.py), timed here: the same chats one per step unpadded {anchors[0]:.0f}, "
           f"seq 512 {anchors[1]:.0f}")
@@ -391,7 +380,7 @@ def main() -> None:
             print(f"seq {T:5d} {name:15s} K=7 {t7:6.3f} s  K=1 {t1:6.3f} s  K7/K1 {t7 / t1:4.2f}x  "
                   f"{T / t7:7.0f} tok/s  {over}", flush=True)
         if (T, "eagle3") in results:
-            a = anchor_step_time(data, args, time.perf_counter)
+            a = results[(T, "anchor")] = anchor_step_time(data, args, time.perf_counter)
             print(f"seq {T:5d} eagle3 vs the SpecForge anchor timed here (K=7 {a:.3f} s): "
                   f"{a / results[(T, 'eagle3')][0]:4.2f}x faster")
         block_rows(T, data, args, results)
@@ -414,7 +403,7 @@ def main() -> None:
             parts.append("block saved-for-backward " + ", ".join(f"B={b} {m:.0f} MiB"
                                                                   for b, m in results[(T, "block-memory")].items()))
     if args.chat_batch:
-        parts += loss_throughput(args, time.process_time if args.clock == "process" else time.perf_counter)
+        parts += loss_throughput(args, time.process_time if args.clock == "process" else time.perf_counter, results)
     print("SUMMARY train: " + "; ".join(parts))
 
 

@@ -321,9 +321,10 @@ _WARNED: set[str] = set()
 def precision_warning(cfg: Config, native: bool | None = None) -> str | None:
     """One line when the config computes in bf16 on a CPU that only emulates it (no AVX512_BF16 / AMX), where
     bf16 runs several times slower than fp32; `native` overrides the detection (tests). None when all is well."""
+    from models.target import resolve_device
     from stages.common import native_bf16
 
-    if cfg.target.device not in ("cpu", "auto") or (cfg.target.device == "auto" and _has_cuda()):
+    if cfg.target.device.startswith("cuda") or resolve_device(cfg.target.device) != "cpu":
         return None
     # the forwards over whole conversations (features) and training are where emulation costs (4-25x); decode
     # steps, a few rows each, cost about the same in both, so e2e.dtype is left out
@@ -336,12 +337,6 @@ def precision_warning(cfg: Config, native: bool | None = None) -> str | None:
     return (f"warning: {' and '.join(keys)} ask for bf16, which this CPU only emulates (no native bf16 matmuls): "
             f"features and training run 4-25x slower than in fp32 here (benchmarks/precision.py measures it); "
             f"{fix} is faster (fp32 numerics: the trials get new fingerprints)")
-
-
-def _has_cuda() -> bool:
-    import torch
-    return torch.cuda.is_available()
-
 
 def flatten(cfg: Config | dict, prefix: str = "") -> dict[str, Any]:
     """Every resolved value as a dotted key (MLflow params, fingerprints)."""
