@@ -318,7 +318,8 @@ def repro(profile: Optional[str] = ProfileOpt,
           stage: Optional[list[str]] = typer.Option(None, "--stage", help="Only this DVC stage (e.g. study@depth) "
                                                     "and what it depends on; repeatable.")):
     """The whole DAG through DVC. The default profile runs in the project root; any other profile in its own
-    workspace scratch/workspaces/<profile>/, whose params.yaml is the resolved profile (so DVC tracks it)."""
+    workspace scratch/workspaces/<profile>/ (a YAML path: its file name without .yaml), whose params.yaml is the
+    resolved profile (so DVC tracks it)."""
     def body():
         from pipeline.dvc_workspace import repro as run_repro
         cfg = load_config(profile if profile not in (None, "") else "default")

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import difflib
 import itertools
+import os
 import sys
 from pathlib import Path
 from typing import Any
@@ -310,12 +311,12 @@ def check_hardware(cfg: Config) -> None:
         raise ConfigError(f"profile {cfg.profile!r} needs a CUDA GPU (target.device={cfg.target.device!r}) "
                           "and none is available on this machine")
     note = precision_warning(cfg)
-    if note and note not in _WARNED:
-        _WARNED.add(note)
+    if note and os.environ.get(WARNED_ENV) != note:
+        os.environ[WARNED_ENV] = note           # inherited: `kvshot repro`'s stages do not print it again
         print(note, file=sys.stderr)
 
 
-_WARNED: set[str] = set()
+WARNED_ENV = "KVSHOT_PRECISION_WARNED"
 
 
 def precision_warning(cfg: Config, native: bool | None = None) -> str | None:
@@ -336,7 +337,8 @@ def precision_warning(cfg: Config, native: bool | None = None) -> str | None:
                    for k in keys)
     return (f"warning: {' and '.join(keys)} ask for bf16, which this CPU only emulates (no native bf16 matmuls): "
             f"features and training run 4-25x slower than in fp32 here (benchmarks/precision.py measures it); "
-            f"{fix} is faster (fp32 numerics: the trials get new fingerprints)")
+            f"{fix} is faster (as overrides, or in the profile's YAML for kvshot repro; fp32 numerics: the trials "
+            f"get new fingerprints)")
 
 def flatten(cfg: Config | dict, prefix: str = "") -> dict[str, Any]:
     """Every resolved value as a dotted key (MLflow params, fingerprints)."""

@@ -35,9 +35,11 @@ def dvc_env(root: Path) -> dict[str, str]:
 
 
 def workspace(profile: str) -> Path:
-    """scratch/workspaces/<profile>, or under KVSHOT_WORKSPACES when set (tests, shared storage)."""
+    """scratch/workspaces/<profile>, or under KVSHOT_WORKSPACES when set (tests, shared storage); a profile given
+    as a YAML path names its workspace by the file's name without the suffix."""
     base = os.environ.get("KVSHOT_WORKSPACES")
-    return (Path(base) if base else ROOT / "scratch" / "workspaces") / profile
+    name = Path(profile).stem if Path(profile).suffix in (".yaml", ".yml") else profile
+    return (Path(base) if base else ROOT / "scratch" / "workspaces") / name
 
 
 def _write_if_changed(path: Path, text: str) -> None:

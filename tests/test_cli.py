@@ -99,3 +99,12 @@ def test_keys_lists_every_key_with_its_value():
     assert any(ln.split() == ["drafter.depth", "1"] for ln in out.stdout.splitlines())
     only = run("keys", "depth", "--profile", "smoke")
     assert only.returncode == 0 and [ln.split()[0] for ln in only.stdout.splitlines()] == ["drafter.depth"]
+
+
+def test_a_profile_given_as_a_yaml_path_gets_a_workspace_named_after_the_file(tmp_path, monkeypatch):
+    from pipeline.dvc_workspace import workspace
+
+    monkeypatch.setenv("KVSHOT_WORKSPACES", str(tmp_path / "ws"))
+    mine = tmp_path / "profiles" / "smoke-fp32.yaml"
+    assert workspace(str(mine)) == tmp_path / "ws" / "smoke-fp32"
+    assert workspace("smoke") == tmp_path / "ws" / "smoke"

@@ -113,17 +113,26 @@ def test_bf16_on_a_cpu_that_emulates_it_is_named_with_the_faster_overrides():
     assert precision_warning(load_config("paper"), native=False) is None     # a CUDA profile: not this check
 
 
-def test_check_hardware_prints_the_bf16_warning_once(monkeypatch, capsys):
+def test_check_hardware_prints_the_bf16_warning_once_per_command_tree(monkeypatch, capsys):
+    import os
+    import subprocess
+    import sys
+
     import pipeline.config as config
     import stages.common
 
     monkeypatch.setattr(stages.common, "native_bf16", lambda device="cpu": False)
-    monkeypatch.setattr(config, "_WARNED", set())
-    cfg = load_config("smoke")
+    monkeypatch.setenv(config.WARNED_ENV, "")          # restored (unset) after the test
+    cfg = load_config("study")
     check_hardware(cfg)
     check_hardware(cfg)
-    err = capsys.readouterr().err
-    assert err.count("which this CPU only emulates") == 1
+    assert capsys.readouterr().err.count("which this CPU only emulates") == 1
+    # a stage that `kvshot repro` starts inherits the mark and stays quiet; another config's warning still prints
+    child = subprocess.run([sys.executable, "-c", f"import os; print(os.environ[{config.WARNED_ENV!r}])"],
+                           capture_output=True, text=True, check=True)
+    assert child.stdout.strip() == precision_warning(cfg, native=False)
+    check_hardware(load_config("study", ["target.dtype=float32"]))
+    assert "train.precision=fp32 is faster" in capsys.readouterr().err
 
 
 def test_native_bf16_agrees_with_onednn():
