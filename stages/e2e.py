@@ -1,6 +1,7 @@
 """e2e: lossless tree speculative decoding with trained drafters: tau, tokens/s, speedup -> metrics/e2e.json.
 
-For each trained drafter: the fastest of `tree_candidates` (picked on the first prompts) and the paper's tree are
+For each trained drafter: the fastest of `tree_candidates` (picked on the first prompts; a single candidate is taken
+without tuning) and the paper's tree are
 decoded over every prompt; plain greedy `generate` on the same prompts, in the same run, is the speedup reference.
 Methods take turns on each prompt (not one method over all prompts, then the next), so the ratios survive a drift
 of the machine's speed.
@@ -163,8 +164,10 @@ def run(params: E2EParams, run_dirs, paths: Paths, report: Report, *, target: Ta
     plan: list[tuple[str, dict, str, TreeSpec, int]] = []               # (method, setting, tree kind, tree, lookup)
     k = min(TUNE_PROMPTS, len(prompts))
     with StageProgress() as bar:
-        tunes = sum(len(block_candidates) if ckpt.variant_of(r) == "block" else len(candidates) for r in run_dirs)
-        tune = bar.add_task("e2e tune trees", total=tunes * len(lookups) * k, unit="prompts")
+        # a drafter with one candidate tree has nothing to choose between: it is not decoded to be tuned
+        tunes = sum(n for n in (len(block_candidates) if ckpt.variant_of(r) == "block" else len(candidates)
+                                for r in run_dirs) if n > 1)
+        tune = bar.add_task("e2e tune trees", total=tunes * len(lookups) * k, unit="prompts") if tunes else None
         for i, run_dir in enumerate(run_dirs):
             drafter, config = ckpt.load_drafter(run_dir, tgt)
             if params.drafter_weights == "int8":
@@ -175,11 +178,11 @@ def run(params: E2EParams, run_dirs, paths: Paths, report: Report, *, target: Ta
                 if not own:
                     continue
                 speed = []
-                for spec in own:
+                for spec in own if len(own) > 1 else []:
                     out = [drafted(drafter, spec, lookup)(p) for p in prompts[:k]]
                     speed.append(sum(len(r.tokens) for r in out) / sum(r.seconds for r in out))
                     bar.advance(tune, k)
-                best = own[max(range(len(own)), key=speed.__getitem__)]
+                best = own[max(range(len(own)), key=speed.__getitem__)] if speed else own[0]
                 kind = "tuned_lookup" if lookup else "tuned"
                 plan.append((f"{i}:{kind}", setting, kind, best, lookup))
                 methods[plan[-1][0]] = drafted(drafter, best, lookup)

@@ -122,8 +122,11 @@ def test_evaluate_prints_progress(tiny_run, tmp_path, capsys):
     target, run_dir = tiny_run
     run(EvalParams(batch_size=2), [run_dir], Paths(tmp_path), lambda m, step=None: None, target=TargetParams(),
         source=online_source(target, conversations(n=3, T=14, seed=1)), loaded_target=target)
-    (line,) = _lines(capsys.readouterr().err, "eval kv_only-d1")
+    err = capsys.readouterr().err
+    (line,) = _lines(err, "eval kv_only-d1")
     assert (line["done"], line["total"], line["unit"]) == ("3", "3", "conv")
+    summary = next(ln for ln in err.splitlines() if ln.startswith("eval kv_only-d1: acc_6"))
+    assert "nan" not in summary and re.search(r"α_6 (–|\d\.\d{3}) ± (–|\d\.\d{3}) \(se, \d+ chains\)", summary)
 
 
 def test_e2e_prints_progress(tmp_path, embedded_target, capsys):
@@ -140,11 +143,18 @@ def test_e2e_prints_progress(tmp_path, embedded_target, capsys):
     write_text_atomic(prompts, json.dumps({"id": "0", "source": "t", "messages": [
         {"role": "user", "content": "Say hello."}]}) + "\n")
     params = E2EParams(prompts=str(prompts), num_prompts=1, max_new_tokens=4, paper_tree=[2, 1, 2],
-                       tree_candidates=[[2, 1, 2]], prompt_lookup=False, lookup_tokens=0)
+                       tree_candidates=[[2, 1, 2], [2, 2, 3]], prompt_lookup=False, lookup_tokens=0)
     run(params, [run_dir], Paths(tmp_path), lambda m, step=None: None, target=TargetParams(),
         loaded_target=embedded_target)
     err = capsys.readouterr().err
     (tune,) = _lines(err, "e2e tune trees")
     (decode,) = _lines(err, "e2e decode")
-    assert tune["done"] == tune["total"] and decode["done"] == decode["total"] == "4"   # greedy, spec_off, 2 trees
+    assert tune["done"] == tune["total"] == "2"          # each candidate on the one prompt
+    assert decode["done"] == decode["total"] == "4"      # greedy, spec_off, the tuned tree, the paper's
     assert decode["unit"] == "decodes"
+    # one candidate: nothing to choose between, so no tuning decodes and no tuning line
+    rows = run(params.model_copy(update={"tree_candidates": [[2, 2, 3]]}), [run_dir], Paths(tmp_path),
+               lambda m, step=None: None, target=TargetParams(), loaded_target=embedded_target)
+    err = capsys.readouterr().err
+    assert not _lines(err, "e2e tune trees") and _lines(err, "e2e decode")[0]["total"] == "4"
+    assert rows[0]["tree_kind"] == "tuned" and rows[0]["tree"] == [2, 2, 3]
