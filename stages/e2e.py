@@ -177,12 +177,15 @@ def run(params: E2EParams, run_dirs, paths: Paths, report: Report, *, target: Ta
             for lookup in lookups:
                 if not own:
                     continue
-                speed = []
-                for spec in own if len(own) > 1 else []:
-                    out = [drafted(drafter, spec, lookup)(p) for p in prompts[:k]]
-                    speed.append(sum(len(r.tokens) for r in out) / sum(r.seconds for r in out))
-                    bar.advance(tune, k)
-                best = own[max(range(len(own)), key=speed.__getitem__)] if speed else own[0]
+                if len(own) == 1:
+                    best = own[0]
+                else:
+                    speed = []
+                    for spec in own:
+                        out = [drafted(drafter, spec, lookup)(p) for p in prompts[:k]]
+                        speed.append(sum(len(r.tokens) for r in out) / sum(r.seconds for r in out))
+                        bar.advance(tune, k)
+                    best = own[max(range(len(own)), key=speed.__getitem__)]
                 kind = "tuned_lookup" if lookup else "tuned"
                 plan.append((f"{i}:{kind}", setting, kind, best, lookup))
                 methods[plan[-1][0]] = drafted(drafter, best, lookup)

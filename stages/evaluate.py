@@ -23,6 +23,7 @@ from pydantic import Field
 
 from stages import checkpoint as ckpt
 from stages.common import Paths, Report, Section, StageError, TargetParams, load_target_for, write_json_atomic
+from stages.findings import fmt     # '–' where α_k is undefined (no chain reached step k)
 
 EVAL_SPLIT = "eval"
 
@@ -207,11 +208,6 @@ def standard_errors(per_conversation: list, k: int) -> tuple[float, float]:
     return float(draws.acc[:, k].std()), float(draws.alpha[:, k].std())
 
 
-def _or_dash(x: float) -> str:
-    """A rate for the log line, '–' where it is undefined (no chain reached the step)."""
-    return "–" if x != x else f"{x:.3f}"
-
-
 def run(params: EvalParams, run_dirs: list[Path], paths: Paths, report: Report, *, target: TargetParams,
         data: Any = None, features: Any = None, loaded_target: Any = None, source: Any = None,
         **_: Any) -> list[dict]:
@@ -245,7 +241,7 @@ def run(params: EvalParams, run_dirs: list[Path], paths: Paths, report: Report, 
             se_acc, se_alpha = standard_errors(per_conv, k)
             row.update({f"acc_{k}_se": se_acc, f"alpha_{k}_se": se_alpha})
             bar.console.print(f"eval {run_dir.name}: acc_{k} {row['acc'][k]:.3f} ± {se_acc:.3f} (se), "
-                              f"α_{k} {_or_dash(row['alpha'][k])} ± {_or_dash(se_alpha)} "
+                              f"α_{k} {fmt(row['alpha'][k])} ± {fmt(se_alpha)} "
                               f"(se, {counts.chain[k]} chains), "
                               f"step MAT {row['step_mat']:.3f}, chain MAT {row['chain_mat']:.3f}, "
                               f"{len(per_conv)} conversations", highlight=False)
