@@ -250,7 +250,8 @@ def report(overrides: Optional[list[str]] = OverridesArg, profile: Optional[str]
 @app.command()
 def sweep(overrides: Optional[list[str]] = OverridesArg, profile: Optional[str] = ProfileOpt, root: Path = RootOpt,
           study: Optional[str] = typer.Option(None, help="Run this study of the profile (or name an ad-hoc sweep)."),
-          dry_run: bool = typer.Option(False, "--dry-run", help="Show the grid of resolved trials; run nothing.")):
+          dry_run: bool = typer.Option(False, "--dry-run", help="Show the grid of resolved trials, which are done "
+                                       "already, and the training time left; run nothing.")):
     """Run a grid (KEY=V1,V2 ...) or a study on Ray Tune: train then evaluate every trial."""
     def body():
         from pipeline import sweep as runner
@@ -262,12 +263,12 @@ def sweep(overrides: Optional[list[str]] = OverridesArg, profile: Optional[str] 
         cfg = load_config(profile, [], root=rootp)
         axes = parse_overrides(overrides or [])
         trials = runner.plan(cfg, axes, study)
-        if dry_run:
-            runner.show_plan(trials, console=Console())
-            return UNTIMED
-        check_hardware(cfg)
         cache = os.environ.get("KVSHOT_MODEL_CACHE")
         paths = Paths(root=rootp, cache=Path(cache) if cache else None)
+        if dry_run:
+            runner.show_plan(trials, console=Console(), paths=paths)
+            return UNTIMED
+        check_hardware(cfg)
         result = runner.run_sweep(trials, paths)
         write_curves(paths, trials[0].study if trials else (study or "adhoc"))
         if result.failed:

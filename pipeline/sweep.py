@@ -8,8 +8,11 @@
 Planning is pure (no Ray, no files). Running: every trial gets a fingerprint (pipeline.fingerprint); a trial
 whose runs/<study>/<trial>/ holds the same fingerprint and a result.json is skipped and its row reused, so a
 re-run does nothing, a grid grown by a value runs only the new trials, and a killed sweep resumes. The rest run
-on Ray Tune in waves (eagle3 parents before the hybrid/cross_only children that load their checkpoint), at most
-`ray.max_concurrent` at a time with `ray.cpus_per_trial` / `ray.gpus_per_trial` each. Trials report metrics to
+in one Ray Tune experiment, at most `ray.max_concurrent` at a time with `ray.cpus_per_trial` /
+`ray.gpus_per_trial` each: a hybrid/cross_only child (or a continued eagle3) starts as soon as the eagle3 whose
+checkpoint it loads has finished, not after every parent of the study, and of the trials that may start the one
+with the most estimated training ahead of it (its own and its children's) starts first, so the last trials of a
+study are short ones rather than one long trial running alone (`schedule_order`). Trials report metrics to
 the driver through Tune results and only the driver writes MLflow. A failing trial fails alone: it is marked
 failed in MLflow and in metrics/stepwise/<study>.json, the others finish, and the result's exit code is 1.
 
@@ -41,9 +44,9 @@ from rich.table import Table
 from pipeline.config import Config, ConfigError, resolve_key, with_values
 from pipeline.fingerprint import HashCache, data_hashes, fingerprint
 from pipeline.trial import (CKPT_CHILDREN, CONTINUED, Trial, TrialFn, adopt_finished, base_row, cached_result,
-                            evaluate_runs, execute, failed_row, is_continued, json_safe, needs_parent,
-                            prepare_run_dir, run_trial, train_trial)
-from stages.common import Paths, Report, write_json_atomic
+                            evaluate_runs, execute, failed_row, finished_elsewhere, is_continued, json_safe,
+                            needs_parent, prepare_run_dir, run_trial, train_trial)
+from stages.common import Paths, Report, duration, write_json_atomic
 
 ADHOC = "adhoc"
 VARIANT = "drafter.variant"
@@ -250,6 +253,62 @@ def waves(trials: list[Trial], finished: set[str] | frozenset = frozenset()) -> 
     return out
 
 
+# A trial's training time relative to another's, fitted to the study's own trials (results/study, 960 steps on 2
+# cores: eagle3 25 min, kv_only 28 / 43 / 68 min at depth 1 / 2 / 4): per step 3.0 units, 1.6 more per drafter layer
+# past the first, 0.31 more for reading the target's KV. Training is matmul-bound, so work grows with layers times
+# steps. Only the order in which trials start and the sweep's estimate of the time left (scaled by the pace it
+# measures) depend on these numbers.
+_STEP_BASE, _STEP_PER_LAYER, _STEP_KV = 3.0, 1.6, 0.31
+
+
+def estimated_cost(t: Trial) -> float:
+    """A trial's training work in arbitrary units: estimated seconds per step x optimizer steps."""
+    from stages.train import total_steps
+
+    c = t.config
+    d = c.drafter
+    reads_kv = d.variant in ("kv_only", "hybrid", "cross_only") or (d.variant == "block" and d.context != "hidden")
+    step = _STEP_BASE + _STEP_PER_LAYER * (max(1, d.depth) - 1) + (_STEP_KV if reads_kv else 0.0)
+    conversations = c.data.scales.get(c.train.scale, max(c.data.scales.values()))
+    return step * total_steps(c.train, conversations)
+
+
+def schedule_order(trials: list[Trial]) -> dict[str, float]:
+    """Each trial's priority: its estimated cost plus the costliest chain of trials that wait for it (longest
+    path first: a parent with long children starts before an equally long trial that nothing waits for)."""
+    cost = {t.name: estimated_cost(t) for t in trials}
+    children: dict[str, list[str]] = {}
+    for t in trials:
+        if t.depends_on:
+            children.setdefault(t.depends_on, []).append(t.name)
+    prio: dict[str, float] = {}
+
+    def chain(name: str) -> float:
+        if name not in prio:
+            prio[name] = cost[name] + max((chain(c) for c in children.get(name, [])), default=0.0)
+        return prio[name]
+
+    for t in trials:
+        chain(t.name)
+    return prio
+
+
+def time_left(costs: dict[str, float], finished: dict[str, float], running: dict[str, float],
+              slots: int) -> float | None:
+    """Seconds a sweep has left, estimated from what it measured: the finished trials' seconds per unit of
+    `estimated_cost` (`finished`: name -> seconds it took) times the work still ahead (the trials of `costs` not
+    finished, less the seconds each running one has run: `running`), shared by `slots` trials at a time but never
+    under the longest single trial left. None until a trial has finished."""
+    spent = sum(costs[n] for n in finished)
+    if spent <= 0:
+        return None
+    rate = sum(finished.values()) / spent
+    ahead = [max(0.0, costs[n] * rate - running.get(n, 0.0)) for n in costs if n not in finished]
+    if not ahead:
+        return 0.0
+    return max(sum(ahead) / max(1, min(slots, len(ahead))), max(ahead))
+
+
 def varying_keys(trials: list[Trial]) -> list[str]:
     return _naming_keys([t.values for t in trials])
 
@@ -290,7 +349,9 @@ def _lookup(cfg: Config, dotted: str) -> Any:
 def show_plan(trials: list[Trial], console: Console | None = None, paths: Paths | None = None) -> Table:
     """Render the planned trials as a rich table (the varying keys plus key settings); runs nothing.
 
-    With `paths`, a status column says which trials are already done (same fingerprint) and would be skipped.
+    With `paths`, a status column says which trials are already done (same fingerprint: in this study, or in
+    another that the sweep adopts it from) and would be skipped, and a line estimates the training left from the
+    pace of the plan's finished trials (`time_left`).
     """
     console = console or Console()
     keys = varying_keys(trials)
@@ -307,6 +368,7 @@ def show_plan(trials: list[Trial], console: Console | None = None, paths: Paths 
     for col in settings.values():
         table.add_column(col)
     table.add_column("after", overflow="fold")
+    took: dict[str, float] = {}
     if paths is not None:
         fingerprint_trials(trials, paths)
         table.add_column("status")
@@ -317,10 +379,34 @@ def show_plan(trials: list[Trial], console: Console | None = None, paths: Paths 
         cells += [f"{v:g}" if isinstance(v, float) else str(v) for v in flat.values()]
         cells.append(t.depends_on or "")
         if paths is not None:
-            cells.append("done" if cached_result(t, paths) else "to run")
+            row = cached_result(t, paths)
+            elsewhere = None if row else finished_elsewhere(t, paths)
+            if elsewhere:
+                row = elsewhere[1]
+            if row is not None and isinstance(row.get("wall_s"), (int, float)):
+                took[t.name] = float(row["wall_s"])
+            cells.append("done" if not elsewhere and row else
+                         f"done in {elsewhere[0].parent.name}/{elsewhere[0].name}" if elsewhere else "to run")
         table.add_row(*cells)
     _print_table(console, table)
+    if paths is not None:
+        console.print(plan_estimate(trials, took, trials[0].config.ray.max_concurrent if trials else 1), soft_wrap=True)
     return table
+
+
+def plan_estimate(trials: list[Trial], took: dict[str, float], slots: int) -> str:
+    """`sweep S: 4 of 8 trials to train, about 2:03:10 at 2 at a time (at the pace of the 4 finished)`: the
+    training left, from the seconds the plan's finished trials took (`took`) and `estimated_cost`."""
+    study = trials[0].study if trials else ADHOC
+    todo = [t for t in trials if t.name not in took]
+    text = f"sweep {study}: {len(todo)} of {len(trials)} trials to train"
+    if not todo:
+        return text
+    costs = {t.name: estimated_cost(t) for t in trials}
+    left = time_left(costs, took, {}, slots)
+    if left is None:
+        return text + " (no finished trial of the plan to estimate their time from)"
+    return text + f", about {duration(left)} at {slots} at a time (at the pace of the {len(took)} finished)"
 
 
 def single_trial(cfg: Config, study: str = ADHOC) -> Trial:
@@ -442,6 +528,31 @@ class _Forward:
         self.run_ids: dict[str, str] = {}
         self.rows: dict[str, dict] = {}
         self.reported: dict[str, set[str]] = {}   # metric keys a trial sent live, per trial
+        # progress of the trials this sweep trains (`track_progress`): when each started, how long each took
+        self.costs: dict[str, float] = {}
+        self.slots = 1
+        self.started_at: dict[str, float] = {}
+        self.took: dict[str, float] = {}
+
+    def track_progress(self, todo: list[Trial], slots: int) -> None:
+        self.costs = {t.name: estimated_cost(t) for t in todo}
+        self.slots = slots
+
+    def progress(self) -> str | None:
+        """`sweep S: 3/8 trials done, 2 running, about 1:04:00 left` (None when the sweep trains one trial)."""
+        if len(self.costs) < 2:
+            return None
+        now = time.time()
+        done = [n for n in self.costs if n in self.rows]
+        running = {n: now - t for n, t in self.started_at.items() if n in self.costs and n not in self.rows}
+        text = f"sweep {self.trials[next(iter(self.costs))].study}: {len(done)}/{len(self.costs)} trials done"
+        if running:
+            text += f", {len(running)} running"
+        left = time_left({n: c for n, c in self.costs.items() if n not in self.rows or n in self.took},
+                         self.took, running, self.slots)
+        if left is not None and left >= 1 and len(done) < len(self.costs):   # 0: running past the estimate
+            text += f", about {duration(left)} left"
+        return text
 
     def _params_tags(self, t: Trial) -> tuple[dict[str, Any], dict[str, Any]]:
         """A trial's child-run params (every resolved value, the swept ones also as sweep.*) and tags."""
@@ -456,6 +567,7 @@ class _Forward:
     def start(self, name: str, announce: bool = True) -> None:
         t = self.trials[name]
         if announce:
+            self.started_at.setdefault(name, time.time())
             self.console.print(f"[cyan]start[/] {t.study}/{name}")
         if self.tracker is None or name in self.run_ids:
             return
@@ -500,11 +612,16 @@ class _Forward:
             return
         self.rows[name] = row
         ok = row["status"] == "ok"
+        if ok and name in self.started_at:      # a failed trial's time says nothing of the others' pace
+            self.took[name] = time.time() - self.started_at[name]
         style = "green" if ok else "red"
         detail = (f"step MAT {row['step_mat']:.3f}, chain MAT {row['chain_mat']:.3f}"
                   if ok and isinstance(row.get("step_mat"), (int, float)) and isinstance(row.get("chain_mat"), (int, float))
                   else f"MAT {row['mat']:.3f}" if ok and isinstance(row.get("mat"), (int, float)) else row.get("error", ""))
         self.console.print(f"[{style}]{row['status']}[/] {self.trials[name].study}/{name} {detail}")
+        line = self.progress()
+        if line:
+            self.console.print(line)
         run_id = self.run_ids.get(name)
         if run_id is None:
             return
@@ -539,22 +656,90 @@ def _callback(key: str):
     return Forward()
 
 
-def _run_wave(wave: list[Trial], paths: Paths, cfg: Config, trial_fn: TrialFn, forward: _Forward,
-              label: str) -> None:
-    """Run one wave of trials on Tune; a trial that died without a final message is recorded as failed."""
+def _row_status(result: dict | None) -> str | None:
+    """The status of the row a trial sent as its last Tune result (None when it sent none)."""
+    try:
+        msg = json.loads((result or {})[PAYLOAD])
+    except (KeyError, TypeError, json.JSONDecodeError):
+        return None
+    return msg.get("row", {}).get("status") if msg.get("kind") == "done" else None
+
+
+def _dependency_searcher(trials: list[Trial], done: dict[str, dict], started: list[str]):
+    """A Tune searcher that hands out the trials in dependency order without waves: a trial is suggested once the
+    trial it depends on finished ok (in this sweep, or before it: the rows of `done`), the ready trial of highest
+    `schedule_order` first, and appended to `started`; trials behind a failed parent are never suggested (the
+    sweep marks them failed)."""
+    from ray.tune.search import Searcher
+
+    class DependencyOrder(Searcher):
+        def __init__(self):
+            super().__init__()
+            prio = schedule_order(trials)
+            # highest priority first, plan order among equals (a stable sort)
+            self.pending = sorted(trials, key=lambda t: -prio[t.name])
+            self.ok = {n for n, r in done.items() if r.get("status") == "ok"}
+            self.failed = set(done) - self.ok
+            self.names: dict[str, str] = {}
+
+        def blocked(self) -> set[str]:
+            out: set[str] = set()
+            grew = True
+            while grew:
+                grew = False
+                for t in self.pending:
+                    if t.name not in out and t.depends_on and (t.depends_on in self.failed or t.depends_on in out):
+                        out.add(t.name)
+                        grew = True
+            return out
+
+        def suggest(self, trial_id: str):
+            ready = [t for t in self.pending if t.depends_on is None or t.depends_on in self.ok]
+            if not ready:
+                return Searcher.FINISHED if len(self.blocked()) == len(self.pending) else None
+            pick = ready[0]
+            self.pending.remove(pick)
+            self.names[trial_id] = pick.name
+            started.append(pick.name)
+            return {"trial": pick.name}
+
+        def on_trial_complete(self, trial_id: str, result: dict | None = None, error: bool = False) -> None:
+            name = self.names.get(trial_id)
+            if name is not None:
+                (self.ok if not error and _row_status(result) == "ok" else self.failed).add(name)
+
+        def save(self, checkpoint_path: str) -> None:
+            state = {"pending": [t.name for t in self.pending], "ok": sorted(self.ok), "failed": sorted(self.failed),
+                     "names": self.names}
+            Path(checkpoint_path).write_text(json.dumps(state))
+
+        def restore(self, checkpoint_path: str) -> None:
+            state = json.loads(Path(checkpoint_path).read_text())
+            by_name = {t.name: t for t in trials}
+            self.pending = [by_name[n] for n in state["pending"]]
+            self.ok, self.failed, self.names = set(state["ok"]), set(state["failed"]), state["names"]
+
+    return DependencyOrder()
+
+
+def _run_trials(todo: list[Trial], done: dict[str, dict], paths: Paths, cfg: Config, trial_fn: TrialFn,
+                forward: _Forward, label: str, started: list[str]) -> None:
+    """Run the trials on Tune in dependency order (`_dependency_searcher`; the names it starts are appended to
+    `started`); a trial that died without a final message is recorded as failed, and one whose parent failed as
+    never run, saying why."""
     from ray import tune
 
     os.environ.setdefault("TUNE_DISABLE_AUTO_CALLBACK_LOGGERS", "1")
     os.environ.setdefault("RAY_AIR_NEW_OUTPUT", "0")
-    by_name = {t.name: t for t in wave}
+    by_name = {t.name: t for t in todo}
     _SINKS[label] = forward
     resources = {"cpu": cfg.ray.cpus_per_trial, "gpu": cfg.ray.gpus_per_trial}
     trainable = tune.with_resources(
         tune.with_parameters(_trainable, trials=by_name, paths=paths, trial_fn=trial_fn), resources)
     tuner = tune.Tuner(
         trainable,
-        param_space={"trial": tune.grid_search([t.name for t in wave])},
-        tune_config=tune.TuneConfig(max_concurrent_trials=cfg.ray.max_concurrent,
+        tune_config=tune.TuneConfig(search_alg=_dependency_searcher(todo, done, started), num_samples=len(todo),
+                                    max_concurrent_trials=cfg.ray.max_concurrent,
                                     trial_name_creator=lambda tr: tr.config["trial"],
                                     trial_dirname_creator=lambda tr: tr.config["trial"],
                                     reuse_actors=True),
@@ -574,9 +759,14 @@ def _run_wave(wave: list[Trial], paths: Paths, cfg: Config, trial_fn: TrialFn, f
             err = res.error
             text = str(err).strip().splitlines()[-1] if err else "trial ended without a result"
             forward.finish(name, failed_row(by_name[name], f"{type(err).__name__ if err else 'Error'}: {text}"))
-    for name, t in by_name.items():   # a trial Tune never started (should not happen) is not silently lost
-        if name not in forward.rows:
-            forward.finish(name, failed_row(t, "trial did not run"))
+    for t in todo:   # never started: behind a failed parent (or, which should not happen, not run by Tune)
+        if t.name not in forward.rows:
+            parent = (forward.rows.get(t.depends_on) or done.get(t.depends_on)) if t.depends_on else None
+            forward.start(t.name, announce=False)   # a FAILED child run says why it never ran
+            if parent is not None and parent.get("status") != "ok":
+                forward.finish(t.name, failed_row(t, f"depends on {t.depends_on}, which failed"))
+            else:
+                forward.finish(t.name, failed_row(t, "trial did not run"))
 
 
 # -- the sweep ---------------------------------------------------------------------------------------------------
@@ -638,6 +828,7 @@ def run_sweep(trials: list[Trial], paths: Paths, trial_fn: TrialFn = run_trial, 
             params={"sweep.study": study, "sweep.trials": len(trials), "sweep.keys": ",".join(varying_keys(trials))},
             tags={"sweep": "parent", "git_commit": commit, "skipped": ",".join(skipped)})
     forward = _Forward(tracker, parent_id, by_name, commit, console)
+    forward.track_progress(todo, cfg.ray.max_concurrent)
     for t in trials:   # trials already finished get their child run now: the parent lists the whole study
         if t.name in rows:
             forward.reused(t.name, rows[t.name])
@@ -645,20 +836,10 @@ def run_sweep(trials: list[Trial], paths: Paths, trial_fn: TrialFn = run_trial, 
 
     try:
         if todo:
+            waves(todo, finished=set(rows))          # every parent is planned or finished (else a ConfigError)
             with ray_session(cfg.ray, paths):
-                for i, wave in enumerate(waves(todo, finished=set(rows))):
-                    runnable = []
-                    for t in wave:
-                        parent_row = (rows.get(t.depends_on) or forward.rows.get(t.depends_on)) if t.depends_on else None
-                        if t.depends_on and (parent_row is None or parent_row.get("status") != "ok"):
-                            forward.start(t.name, announce=False)   # a FAILED child run says why it never ran
-                            forward.finish(t.name, failed_row(t, f"depends on {t.depends_on}, which failed"))
-                        else:
-                            runnable.append(t)
-                    if runnable:
-                        submitted += [t.name for t in runnable]
-                        label = f"{study}-{time.strftime('%Y%m%d-%H%M%S')}-w{i}"
-                        _run_wave(runnable, paths, cfg, trial_fn, forward, label)
+                _run_trials(todo, rows, paths, cfg, trial_fn, forward, f"{study}-{time.strftime('%Y%m%d-%H%M%S')}",
+                            submitted)
         rows.update(forward.rows)
     finally:
         ordered = [rows.get(t.name) or failed_row(t, "sweep interrupted") for t in trials]

@@ -80,10 +80,9 @@ def cached_result(trial: Trial, paths: Paths) -> dict | None:
     return row
 
 
-def adopt_finished(trial: Trial, paths: Paths) -> dict | None:
-    """Reuse a finished trial of the same fingerprint from another study (the EAGLE-3 baseline every study
-    includes, a scale-study trial that another study already trained): its run directory is copied in with hard
-    links and its row renamed. None when no such trial exists."""
+def finished_elsewhere(trial: Trial, paths: Paths) -> tuple[Path, dict] | None:
+    """The run directory and row of a finished trial with the same fingerprint in another study (or under
+    another name), else None; reads only."""
     target_dir = trial.run_dir(paths)
     for fp_file in sorted((paths.root / "runs").glob(f"*/*/{FINGERPRINT_FILE}")):
         donor = fp_file.parent
@@ -92,21 +91,32 @@ def adopt_finished(trial: Trial, paths: Paths) -> dict | None:
         donor_trial = Trial(name=donor.name, study=donor.parent.name, values={}, config=trial.config,
                             fingerprint=trial.fingerprint)
         row = cached_result(donor_trial, paths)
-        if row is None:
-            continue
-        if target_dir.exists():
-            shutil.rmtree(target_dir)
-        target_dir.parent.mkdir(parents=True, exist_ok=True)
-        tmp = target_dir.with_name(f".{target_dir.name}.adopting")
-        shutil.rmtree(tmp, ignore_errors=True)
-        shutil.copytree(donor, tmp, copy_function=_link_or_copy)
-        row = {**row, "trial": trial.name, "study": trial.study, "values": trial.values,
-               "reused_from": f"{donor.parent.name}/{donor.name}"}
-        (tmp / RESULT_FILE).unlink()
-        write_json_atomic(tmp / RESULT_FILE, row)
-        os.replace(tmp, target_dir)
-        return row
+        if row is not None:
+            return donor, row
     return None
+
+
+def adopt_finished(trial: Trial, paths: Paths) -> dict | None:
+    """Reuse a finished trial of the same fingerprint from another study (the EAGLE-3 baseline every study
+    includes, a scale-study trial that another study already trained): its run directory is copied in with hard
+    links and its row renamed. None when no such trial exists."""
+    found = finished_elsewhere(trial, paths)
+    if found is None:
+        return None
+    donor, row = found
+    target_dir = trial.run_dir(paths)
+    if target_dir.exists():
+        shutil.rmtree(target_dir)
+    target_dir.parent.mkdir(parents=True, exist_ok=True)
+    tmp = target_dir.with_name(f".{target_dir.name}.adopting")
+    shutil.rmtree(tmp, ignore_errors=True)
+    shutil.copytree(donor, tmp, copy_function=_link_or_copy)
+    row = {**row, "trial": trial.name, "study": trial.study, "values": trial.values,
+           "reused_from": f"{donor.parent.name}/{donor.name}"}
+    (tmp / RESULT_FILE).unlink()
+    write_json_atomic(tmp / RESULT_FILE, row)
+    os.replace(tmp, target_dir)
+    return row
 
 
 def _link_or_copy(src: str, dst: str) -> None:

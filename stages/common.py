@@ -191,7 +191,8 @@ class _Task:
     ended: bool = False
 
 
-def _duration(seconds: float) -> str:
+def duration(seconds: float) -> str:
+    """h:mm:ss (m:ss under an hour), as the progress lines print a time."""
     s = int(round(max(seconds, 0.0)))
     return f"{s // 3600}:{s % 3600 // 60:02d}:{s % 60:02d}" if s >= 3600 else f"{s // 60}:{s % 60:02d}"
 
@@ -297,11 +298,11 @@ class StageProgress:
         else:
             text += f" {t.unit}"
         if t.ended:
-            text += f" in {_duration(elapsed)}"
+            text += f" in {duration(elapsed)}"
         if rate > 0:
             text += f", {_rate(rate, t.unit)}"
             if t.total and not t.ended:
-                text += f", {_duration((t.total - t.completed) / rate)} left"
+                text += f", {duration((t.total - t.completed) / rate)} left"
         if t.note:
             text += "; " + t.note.format(**t.fields)
         return text

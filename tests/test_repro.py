@@ -101,6 +101,9 @@ def test_sweeps_track_in_mlflow_and_skip_finished_trials(smoke):
     assert again.returncode == 0 and "0 ran" in again.stdout, again.stdout[-2000:]
     dry = kvshot("sweep", "depth=2,3,4", "--dry-run", "--root", str(ws), env=env, cwd=ws)
     assert dry.returncode == 0, dry.stderr[-2000:]
+    assert dry.stdout.count("done") == 3 and "sweep adhoc: 0 of 3 trials to train" in dry.stdout, dry.stdout
+    grown_dry = kvshot("sweep", "depth=2,3,4,5", "--dry-run", "--root", str(ws), env=env, cwd=ws)
+    assert "sweep adhoc: 1 of 4 trials to train, about" in grown_dry.stdout, grown_dry.stdout
     # neither adopting every trial nor a dry run is the study's wall time: the report keeps the training run's
     assert timings()["sweep:adhoc"] == trained_in
     grown = kvshot("sweep", "depth=2,3,4,5", "--root", str(ws), env=env, cwd=ws)

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -15,7 +16,8 @@ from rich.console import Console
 
 from pipeline.config import ConfigError, load_config, parse_overrides, with_values
 from pipeline.fingerprint import HashCache, data_hashes, fingerprint, path_hash
-from pipeline.sweep import fingerprint_trials, plan, run_sweep, show_plan, waves
+from pipeline.sweep import (_Forward, estimated_cost, fingerprint_trials, plan, run_sweep, schedule_order, show_plan,
+                            time_left, waves)
 from pipeline.trial import cached_result
 from stages.common import Paths
 
@@ -139,6 +141,7 @@ def test_dry_run_table_lists_resolved_trials(tmp_path):
     text = console.export_text()
     for name in ("eagle3", "hybrid-ckpt", "cross_only-random", "to run", "sweep hybrid: 6 trials", "eagle3-continued"):
         assert name in text
+    assert "sweep hybrid: 6 of 6 trials to train (no finished trial of the plan to estimate their time from)" in text
     assert not (tmp_path / "runs").exists()   # a dry run runs nothing
 
 
@@ -341,6 +344,9 @@ def test_sweep_tracks_reruns_nothing_and_grows(ray_local, project):
     show_plan(plan(cfg, parse_overrides(["depth=1,2,3,4"])), console=console, paths=project)
     text = console.export_text()
     assert text.count("done") == 3 and text.count("to run") == 1
+    # and how long the rest would take at the pace of those measured
+    assert re.search(r"sweep adhoc: 1 of 4 trials to train, about \d+:\d\d at 2 at a time \(at the pace of the 3 "
+                     r"finished\)", text), text
 
     # a re-run runs nothing and reuses every row
     again = run_sweep(plan(cfg, parse_overrides(["depth=1,2,3"])), project, trial_fn=quick_trial)
@@ -360,7 +366,14 @@ def test_sweep_tracks_reruns_nothing_and_grows(ray_local, project):
         assert len([c for c in children if c.data.tags["mlflow.parentRunId"] == parent.info.run_id]) == planned
     assert len(json.loads(project.stepwise_metrics("adhoc").read_text())) == 4
 
-    # another study planning the same trials adopts the finished runs instead of training them again
+    # another study planning the same trials adopts the finished runs instead of training them again; its dry
+    # run says so
+    console = Console(record=True, width=200)
+    show_plan(plan(cfg, parse_overrides(["depth=1,2"]), "other"), console=console, paths=project)
+    text = console.export_text()
+    assert "done in adhoc/kv_only-d1" in text and "done in adhoc/kv_only-d2" in text and "to run" not in text
+    assert "sweep other: 0 of 2 trials to train" in text
+    assert not project.run_dir("other", "kv_only-d1").exists()              # a dry run adopts nothing
     other = run_sweep(plan(cfg, parse_overrides(["depth=1,2"]), "other"), project, trial_fn=quick_trial)
     assert other.ran == [] and len(other.skipped) == 2 and len(_calls(project)) == 4
     assert {r["reused_from"] for r in other.rows} == {"adhoc/kv_only-d1", "adhoc/kv_only-d2"}
@@ -422,6 +435,86 @@ def test_failing_trial_fails_alone_and_blocks_its_children(ray_local, project):
     assert stepwise["hybrid-lr0.001"]["alpha"][6] is None
 
 
+def timed_trial(trial, paths, report):
+    """kv_only runs long; every other trial returns at once: when each ran shows the sweep's schedule."""
+    t0 = time.time()
+    if trial.variant == "kv_only":
+        time.sleep(25)
+    a = [0.5] * 7
+    return {"alpha": a, "acc": a, "mat": 2.0, "retention": 1.0, "t0": t0, "t1": time.time()}
+
+
+def test_children_start_when_their_parent_ends_not_after_the_whole_study(ray_local, project):
+    trials = plan(smoke(), parse_overrides(["variant=eagle3,hybrid,kv_only"]))
+    by = {t.name: t for t in trials}
+    assert by["hybrid"].depends_on == "eagle3" and by["eagle3-continued"].depends_on == "eagle3"
+    prio = schedule_order(trials)
+    # the parent's priority carries its children's work: it starts before the longer kv_only
+    assert prio["eagle3"] > prio["kv_only"] >= prio["hybrid"] > prio["eagle3-continued"]
+    console = Console(record=True, width=200)
+    result = run_sweep(trials, project, trial_fn=timed_trial, console=console)
+    assert result.exit_code == 0
+    assert result.ran == ["eagle3", "kv_only", "hybrid", "eagle3-continued"]      # started in priority order
+    # after each trial, where the sweep stands and (from the trials measured so far) how long it has left
+    lines = [ln.strip() for ln in console.export_text().splitlines() if "trials done" in ln]
+    assert re.fullmatch(r"sweep adhoc: 1/4 trials done(, 1 running)?(, about \d+:\d\d left)?", lines[0]), lines
+    assert lines[-1] == "sweep adhoc: 4/4 trials done", lines
+    rows = {r["trial"]: r for r in result.rows}
+    long = rows["kv_only"]
+    for child in ("hybrid", "eagle3-continued"):
+        # in waves the children would wait for kv_only, a trial of the parents' wave that they do not need
+        assert rows["eagle3"]["t1"] <= rows[child]["t0"] < long["t1"], child
+
+
+def test_progress_line_estimates_the_time_left_from_the_pace_measured():
+    trials = plan(smoke(), parse_overrides(["variant=eagle3,hybrid,kv_only"]))
+    forward = _Forward(None, None, {t.name: t for t in trials}, "commit", Console(record=True))
+    forward.track_progress(trials, slots=2)
+    now = time.time()
+    forward.started_at = {"eagle3": now - 100, "kv_only": now - 100}
+    forward.finish("eagle3", {"status": "ok", "mat": 2.0})
+    assert forward.took["eagle3"] == pytest.approx(100.0, abs=1.0)
+    forward.took["eagle3"] = 100.0
+    # eagle3 took 100 s for 3.0 units: kv_only (3.31) has ~10 s left, hybrid (3.31) and the continued eagle3 (3.0)
+    # 110 + 100 s between 2 slots; never under hybrid's 110 s alone
+    assert forward.progress() == "sweep adhoc: 1/4 trials done, 1 running, about 1:50 left"
+    forward.finish("kv_only", {"status": "failed", "error": "boom"})
+    assert "kv_only" not in forward.took              # a failed trial's time does not set the pace
+    assert forward.progress() == "sweep adhoc: 2/4 trials done, about 1:50 left"
+
+
+def test_schedule_order_puts_the_longest_work_first():
+    study = load_config("study")
+    depth = plan(study, study="depth")
+    prio = schedule_order(depth)
+    first = sorted(depth, key=lambda t: -prio[t.name])
+    assert [t.config.drafter.depth for t in first[:3]] == [4, 4, 4]
+    assert estimated_cost(by_name(depth, "kv_only-d4")) > estimated_cost(by_name(depth, "kv_only-d2")) \
+        > estimated_cost(by_name(depth, "kv_only-d1"))
+    hybrid = plan(study, study="hybrid")
+    prio = schedule_order(hybrid)
+    parents = [t for t in hybrid if any(c.depends_on == t.name for c in hybrid)]
+    others = [t for t in hybrid if t not in parents]
+    assert parents and min(prio[t.name] for t in parents) > max(prio[t.name] for t in others)
+    # the larger scale trains on twice the conversations: twice the estimated work
+    scale = {t.config.train.scale: estimated_cost(t) for t in plan(study, parse_overrides(["train.scale=small,large"]))}
+    assert scale["large"] == pytest.approx(2 * scale["small"], rel=0.01)
+
+
+def test_time_left_scales_the_measured_pace_by_the_work_ahead():
+    costs = {"a": 1.0, "b": 2.0, "c": 1.0}
+    assert time_left(costs, {}, {"a": 5.0}, slots=2) is None            # nothing measured yet
+    # a took 60 s for 1 unit; b (2 units) has run 30 s of its 120, c (1 unit) has not started: 90 + 60 s of
+    # work on 2 slots is 75 s, but b alone needs 90 more
+    assert time_left(costs, {"a": 60.0}, {"b": 30.0}, slots=2) == pytest.approx(90.0)
+    assert time_left(costs, {"a": 60.0}, {"b": 30.0}, slots=1) == pytest.approx(150.0)
+    assert time_left(costs, {"a": 60.0, "b": 100.0, "c": 70.0}, {}, slots=2) == 0.0
+
+
+def by_name(trials, name):
+    return next(t for t in trials if t.name == name)
+
+
 KILL_SCRIPT = """
 import os, sys, time
 from pathlib import Path
@@ -432,7 +525,7 @@ from stages.common import Paths
 def slow_trial(trial, paths, report):
     (paths.root / "calls").mkdir(exist_ok=True)
     (paths.root / "calls" / f"{trial.name}.{time.time_ns()}").write_text("")
-    if trial.config.drafter.depth > 1:
+    if trial.config.drafter.depth < 3:      # the deepest starts first (schedule_order) and finishes at once
         time.sleep(120)
     a = [0.5] * 7
     return {"alpha": a, "acc": a, "mat": 2.0, "retention": 1.0}
@@ -448,7 +541,7 @@ def test_killed_sweep_resumes_without_redoing_finished_trials(ray_local, project
     env = {**os.environ, "RAY_ADDRESS": ray_local, "RAY_AUTH_MODE": "disabled"}
     proc = subprocess.Popen([sys.executable, str(script), str(project.root)], env=env, cwd=ROOT,
                             stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, start_new_session=True)
-    done = project.run_dir("adhoc", "kv_only-d1") / "result.json"
+    done = project.run_dir("adhoc", "kv_only-d3") / "result.json"
     try:
         deadline = time.time() + 150
         while not done.is_file() and time.time() < deadline and proc.poll() is None:
@@ -460,9 +553,9 @@ def test_killed_sweep_resumes_without_redoing_finished_trials(ray_local, project
         if proc.poll() is None:
             os.kill(proc.pid, signal.SIGKILL)
         proc.stderr.close()
-    assert _calls(project).count("kv_only-d1") == 1
+    assert _calls(project).count("kv_only-d3") == 1
 
     result = run_sweep(plan(smoke(), parse_overrides(["depth=1,2,3"])), project, trial_fn=quick_trial)
     assert result.exit_code == 0
-    assert result.skipped == ["kv_only-d1"] and sorted(result.ran) == ["kv_only-d2", "kv_only-d3"]
-    assert _calls(project).count("kv_only-d1") == 1
+    assert result.skipped == ["kv_only-d3"] and sorted(result.ran) == ["kv_only-d1", "kv_only-d2"]
+    assert _calls(project).count("kv_only-d3") == 1
