@@ -487,6 +487,18 @@ def ray_session(params: Any, paths: Paths) -> Iterator[None]:
 PAYLOAD = "kvshot"   # the one key of every Tune result a trial sends: a JSON message for the driver
 
 
+def trial_slots(params: Any) -> int:
+    """How many trials the connected Ray runs at once: `max_concurrent`, or fewer when the cluster's CPUs (GPUs)
+    hold fewer trials of `cpus_per_trial` (`gpus_per_trial`)."""
+    import ray
+
+    total = ray.cluster_resources()
+    fits = [int(total.get("CPU", 0) // params.cpus_per_trial)]
+    if params.gpus_per_trial:
+        fits.append(int(total.get("GPU", 0) // params.gpus_per_trial))
+    return max(1, min(params.max_concurrent, *fits))
+
+
 def _tune_report(kind: str, **body: Any) -> None:
     from ray import tune
 
@@ -838,6 +850,7 @@ def run_sweep(trials: list[Trial], paths: Paths, trial_fn: TrialFn = run_trial, 
         if todo:
             waves(todo, finished=set(rows))          # every parent is planned or finished (else a ConfigError)
             with ray_session(cfg.ray, paths):
+                forward.slots = trial_slots(cfg.ray)
                 _run_trials(todo, rows, paths, cfg, trial_fn, forward, f"{study}-{time.strftime('%Y%m%d-%H%M%S')}",
                             submitted)
         rows.update(forward.rows)

@@ -17,7 +17,7 @@ from rich.console import Console
 from pipeline.config import ConfigError, load_config, parse_overrides, with_values
 from pipeline.fingerprint import HashCache, data_hashes, fingerprint, path_hash
 from pipeline.sweep import (_Forward, estimated_cost, fingerprint_trials, plan, run_sweep, schedule_order, show_plan,
-                            time_left, waves)
+                            time_left, trial_slots, waves)
 from pipeline.trial import cached_result
 from stages.common import Paths
 
@@ -464,6 +464,13 @@ def test_children_start_when_their_parent_ends_not_after_the_whole_study(ray_loc
     for child in ("hybrid", "eagle3-continued"):
         # in waves the children would wait for kv_only, a trial of the parents' wave that they do not need
         assert rows["eagle3"]["t1"] <= rows[child]["t0"] < long["t1"], child
+
+
+def test_trial_slots_are_what_the_cluster_holds(ray_local):
+    ray_params = smoke().ray
+    assert trial_slots(ray_params.model_copy(update={"max_concurrent": 8})) == 2      # ray_local has 2 CPUs
+    assert trial_slots(ray_params.model_copy(update={"max_concurrent": 1})) == 1
+    assert trial_slots(ray_params.model_copy(update={"max_concurrent": 8, "cpus_per_trial": 2.0})) == 1
 
 
 def test_progress_line_estimates_the_time_left_from_the_pace_measured():
