@@ -385,8 +385,10 @@ def show_plan(trials: list[Trial], console: Console | None = None, paths: Paths 
                 row = elsewhere[1]
             if row is not None and isinstance(row.get("wall_s"), (int, float)):
                 took[t.name] = float(row["wall_s"])
-            cells.append("done" if not elsewhere and row else
-                         f"done in {elsewhere[0].parent.name}/{elsewhere[0].name}" if elsewhere else "to run")
+            if elsewhere:
+                cells.append(f"done in {elsewhere[0].parent.name}/{elsewhere[0].name}")
+            else:
+                cells.append("done" if row else "to run")
         table.add_row(*cells)
     _print_table(console, table)
     if paths is not None:
@@ -840,7 +842,6 @@ def run_sweep(trials: list[Trial], paths: Paths, trial_fn: TrialFn = run_trial, 
             params={"sweep.study": study, "sweep.trials": len(trials), "sweep.keys": ",".join(varying_keys(trials))},
             tags={"sweep": "parent", "git_commit": commit, "skipped": ",".join(skipped)})
     forward = _Forward(tracker, parent_id, by_name, commit, console)
-    forward.track_progress(todo, cfg.ray.max_concurrent)
     for t in trials:   # trials already finished get their child run now: the parent lists the whole study
         if t.name in rows:
             forward.reused(t.name, rows[t.name])
@@ -850,7 +851,7 @@ def run_sweep(trials: list[Trial], paths: Paths, trial_fn: TrialFn = run_trial, 
         if todo:
             waves(todo, finished=set(rows))          # every parent is planned or finished (else a ConfigError)
             with ray_session(cfg.ray, paths):
-                forward.slots = trial_slots(cfg.ray)
+                forward.track_progress(todo, trial_slots(cfg.ray))
                 _run_trials(todo, rows, paths, cfg, trial_fn, forward, f"{study}-{time.strftime('%Y%m%d-%H%M%S')}",
                             submitted)
         rows.update(forward.rows)
