@@ -44,23 +44,11 @@ test: setup browser
 test-fast: setup
 	$(BIN)/python -m pytest -q -m "not slow" --timeout=600
 
-# Rebuild results/study/ from a study workspace: its finished studies' metrics (a study without them reads
-# "not measured"), its stage wall times and dvc.lock; the report is regenerated from those files alone.
+# Fold a study workspace into results/study/: the studies whose metrics it holds replace their committed ones, the
+# others stay; wall times, machines and dvc.lock merge alike; the report is regenerated from those files alone.
 STUDY_WS ?= scratch/workspaces/study
-STUDY_TMP := scratch/study-report
 study-results: setup
-	test -d $(STUDY_WS)/metrics/stepwise || { echo "$(STUDY_WS): no metrics/stepwise/ (run a study first)"; exit 2; }
-	rm -rf $(STUDY_TMP) && mkdir -p $(STUDY_TMP)/metrics $(STUDY_TMP)/scratch
-	cp -r $(STUDY_WS)/metrics/stepwise $(STUDY_TMP)/metrics/
-	if [ -f $(STUDY_WS)/metrics/e2e.json ]; then cp $(STUDY_WS)/metrics/e2e.json $(STUDY_TMP)/metrics/; fi
-	if [ -f $(STUDY_WS)/scratch/timings.json ]; then cp $(STUDY_WS)/scratch/timings.json $(STUDY_TMP)/scratch/; fi
-	$(BIN)/kvshot report --profile study --root $(STUDY_TMP)
-	rm -rf results/study/figures results/study/metrics && mkdir -p results/study/figures
-	cp $(STUDY_TMP)/reports/README.md results/study/report.md
-	cp $(STUDY_TMP)/reports/figures/*.png results/study/figures/
-	cp -r $(STUDY_TMP)/metrics results/study/
-	cp $(STUDY_WS)/dvc.lock results/study/dvc.lock
-	if [ -f $(STUDY_TMP)/scratch/timings.json ]; then cp $(STUDY_TMP)/scratch/timings.json results/study/timings.json; fi
+	$(BIN)/kvshot study-results $(STUDY_WS)
 
 bench: setup
 	for f in benchmarks/*.py; do $(BIN)/python $$f || exit 1; done

@@ -247,6 +247,33 @@ def report(overrides: Optional[list[str]] = OverridesArg, profile: Optional[str]
     _guarded(body, "report")
 
 
+@app.command("study-results")
+def study_results(workspace: Path = typer.Argument(..., help="A study workspace, e.g. scratch/workspaces/study."),
+                  into: Path = typer.Option(Path("results/study"), "--into", help="The committed results folder."),
+                  profile: str = typer.Option("study", "--profile", "-p", help="The profile the studies ran.")):
+    """Fold a workspace's finished studies into the committed results folder (its other studies kept) and
+    regenerate the report there from the merged metrics alone."""
+    def body():
+        import tempfile
+
+        from pipeline import study_results as merge
+        from pipeline.provenance import provenance
+        from stages import report as stage
+        from stages.common import Paths
+
+        with tempfile.TemporaryDirectory(prefix="kvshot-study-results-") as tmp:
+            merged = merge.merge(workspace, into, Path(tmp) / "root")
+            cfg = load_config(profile, [], root=merged.root)
+            paths = Paths(root=merged.root)
+            stage.run(cfg.report, provenance(cfg, paths), paths, lambda metrics: None)
+            merge.install(merged.root, workspace, into)
+        kept = f"; kept as committed: {', '.join(merged.kept)}" if merged.kept else ""
+        console.print(f"{into}: studies from {workspace}: {', '.join(merged.from_workspace)}{kept}; "
+                      f"e2e: {merged.e2e}; "
+                      f"report regenerated", highlight=False, soft_wrap=True)
+    _guarded(body)
+
+
 @app.command()
 def sweep(overrides: Optional[list[str]] = OverridesArg, profile: Optional[str] = ProfileOpt, root: Path = RootOpt,
           study: Optional[str] = typer.Option(None, help="Run this study of the profile (or name an ad-hoc sweep)."),

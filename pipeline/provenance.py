@@ -9,6 +9,7 @@ from pathlib import Path
 from pipeline.config import ROOT, Config
 
 TIMINGS = "scratch/timings.json"
+MACHINES = "scratch/machines.json"   # the machine each stage command last ran on (studies run on different ones)
 
 
 def short_commit(root: Path = ROOT) -> str:
@@ -19,31 +20,54 @@ def short_commit(root: Path = ROOT) -> str:
     return head if head == "unknown" else head[:7] + mark + rest
 
 
+def cpu_name(cpuinfo: Path = Path("/proc/cpuinfo")) -> str:
+    """The CPU's model name where Linux tells it, else what `platform` knows (often just the architecture)."""
+    try:
+        for line in cpuinfo.read_text().splitlines():
+            if line.startswith("model name") and ":" in line:
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
 def hardware() -> str:
+    """`2 CPU cores (AMD EPYC, native bf16), 23 GiB RAM, no GPU`: whether bf16 is native decides the study
+    profile's speed several times over, so it is part of the machine's name."""
     import psutil
     import torch
 
-    cpu = platform.processor() or platform.machine()
+    from stages.common import native_bf16
+
+    cpu = f"{cpu_name()}, {'native' if native_bf16('cpu') else 'emulated'} bf16"
     mem = psutil.virtual_memory().total / 2**30
     gpu = torch.cuda.get_device_name(0) if torch.cuda.is_available() else "no GPU"
     return f"{psutil.cpu_count(logical=True)} CPU cores ({cpu}), {mem:.0f} GiB RAM, {gpu}"
 
 
-def record_time(root: Path, command: str, seconds: float) -> None:
-    """Remember the latest wall time of each stage command in the workspace (summed by the report)."""
-    path = Path(root) / TIMINGS
+def _update_json(path: Path, key: str, value: object) -> None:
+    from stages.common import write_json_atomic
+
+    data = json.loads(path.read_text()) if path.exists() else {}
+    data[key] = value
     path.parent.mkdir(parents=True, exist_ok=True)
-    times = json.loads(path.read_text()) if path.exists() else {}
-    times[command] = round(seconds, 1)
-    tmp = path.with_suffix(".tmp")
-    tmp.write_text(json.dumps(times, indent=1, sort_keys=True))
-    tmp.replace(path)
+    write_json_atomic(path, dict(sorted(data.items())))
+
+
+def record_time(root: Path, command: str, seconds: float, machine: str | None = None) -> None:
+    """Remember the latest wall time of each stage command in the workspace (summed by the report) and the
+    machine it ran on (this one unless given)."""
+    _update_json(Path(root) / TIMINGS, command, round(seconds, 1))
+    _update_json(Path(root) / MACHINES, command, machine or hardware())
+
+
+def _read_json(path: Path) -> dict:
+    return json.loads(path.read_text()) if path.exists() else {}
 
 
 def provenance(cfg: Config, paths) -> dict:
     """The context the report stage prints: everything optional is 'unknown' when it cannot be read."""
-    times_path = Path(paths.root) / TIMINGS
-    times = json.loads(times_path.read_text()) if times_path.exists() else {}
+    times = _read_json(Path(paths.root) / TIMINGS)
     return {
         "profile": cfg.profile,
         "target": cfg.target.source,
@@ -53,5 +77,6 @@ def provenance(cfg: Config, paths) -> dict:
         "hardware": hardware(),
         "wall_time_s": sum(times.values()) if times else None,
         "stage_times_s": times,
+        "stage_machines": _read_json(Path(paths.root) / MACHINES),
         "studies": list(cfg.studies),
     }

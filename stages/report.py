@@ -475,9 +475,10 @@ def _stage_times(times: dict) -> str:
 
 
 def _study_provenance(res: Results, context: dict) -> pd.DataFrame:
-    """Per study: trials, the commits its rows came from, and its wall time (the sweep command's, else the sum
-    of its trials' own)."""
+    """Per study: trials, the commits its rows came from, its wall time (the sweep command's, else the sum of its
+    trials' own) and the machine its sweep ran on (studies combined from several workspaces ran on several)."""
     times = context.get("stage_times_s") if isinstance(context.get("stage_times_s"), dict) else {}
+    machines = context.get("stage_machines") if isinstance(context.get("stage_machines"), dict) else {}
     records = []
     for name in res.names:
         rows = res.raw.get(name)
@@ -490,8 +491,8 @@ def _study_provenance(res: Results, context: dict) -> pd.DataFrame:
         wall_text = f"{wall / 60:.1f} min (sweep)" if isinstance(wall, (int, float)) else \
             f"{sum(trained) / 60:.1f} min (sum of trials)" if trained else "unknown"
         records.append({"study": name, "trials": str(len(rows)), "commits": ", ".join(commits) or "unknown",
-                        "wall time": wall_text})
-    return pd.DataFrame.from_records(records, columns=["study", "trials", "commits", "wall time"])
+                        "wall time": wall_text, "machine": str(machines.get(f"sweep:{name}", "not recorded"))})
+    return pd.DataFrame.from_records(records, columns=["study", "trials", "commits", "wall time", "machine"])
 
 
 TITLES = {"injection": "Injection study (KV-only, 1 layer)", "depth": "Depth study (KV-only vs EAGLE-3)",

@@ -20,7 +20,8 @@ import make_fixtures as fx  # noqa: E402
 STUDIES = ["injection", "depth", "hybrid", "scale"]
 CONTEXT = {"profile": "default", "target": "embedded", "data_sizes": {"small": 300, "large": 1200},
            "git_commit": "0123abc", "date": "2026-05-01T10:00:00", "hardware": "2 CPU cores",
-           "wall_time_s": 754.0, "stage_times_s": {"sweep:depth": 600.0, "prepare": 54.0}, "studies": STUDIES}
+           "wall_time_s": 754.0, "stage_times_s": {"sweep:depth": 600.0, "prepare": 54.0}, "studies": STUDIES,
+           "stage_machines": {"sweep:depth": "2 CPU cores, native bf16"}}
 PNG = b"\x89PNG\r\n\x1a\n"
 FAST = ReportParams(bootstrap_draws=400)
 
@@ -147,8 +148,8 @@ def test_failed_missing_and_provenance(full):
                  "small: 300, large: 1200", "arXiv 2604.26412", "95% percentile bootstrap, 400 draws"):
         assert cell in prov
     assert re.search(r"input `metrics/e2e.json`\s*\| sha256 [0-9a-f]{12}", prov)
-    assert table_row(prov, "depth")[1:] == ["15", "0123abc", "10.0 min (sweep)"]
-    assert table_row(prov, "hybrid")[3] == "12.0 min (sum of trials)"
+    assert table_row(prov, "depth")[1:] == ["15", "0123abc", "10.0 min (sweep)", "2 CPU cores, native bf16"]
+    assert table_row(prov, "hybrid")[3:] == ["12.0 min (sum of trials)", "not recorded"]
     assert seen == [{"report/settings": 23.0, "report/failed_trials": 1.0, "report/claims_holding": 5.0}]
 
 

@@ -1,0 +1,125 @@
+"""The committed results of a profile's studies (results/study/): the metrics of studies run at different times,
+in different workspaces, on different machines, combined into one folder and one report.
+
+`kvshot study-results WS` folds one workspace into the folder: each study whose metrics the workspace holds
+replaces that study's committed metrics; every other study's stay as committed. Stage wall times, the machines the
+stages ran on and the `dvc.lock` stages merge the same way (the workspace's entries win). The report is then
+regenerated from the merged files alone, so every row keeps the commit and fingerprint it was trained at.
+"""
+from __future__ import annotations
+
+import json
+import shutil
+from dataclasses import dataclass
+from pathlib import Path
+
+import yaml
+
+from pipeline.provenance import MACHINES, TIMINGS
+from stages.common import StageError, write_json_atomic, write_text_atomic
+
+# where each file lies in a workspace -> where it lies in the results folder
+_JSON_RECORDS = {TIMINGS: "timings.json", MACHINES: "machines.json"}
+
+
+@dataclass(frozen=True)
+class Merged:
+    """What `merge` put in the staging root: studies taken from the workspace and those kept as committed."""
+    root: Path
+    from_workspace: list[str]
+    kept: list[str]
+    e2e: str   # where metrics/e2e.json came from: "the workspace", "as committed" or "none"
+
+
+def _study_metrics(folder: Path) -> dict[str, Path]:
+    return {p.stem: p for p in sorted(folder.glob("*.json"))} if folder.is_dir() else {}
+
+
+def _read_record(path: Path) -> dict:
+    if not path.is_file():
+        return {}
+    try:
+        data = json.loads(path.read_text())
+    except json.JSONDecodeError as exc:
+        raise StageError(f"{path}: not valid JSON ({exc.msg}, line {exc.lineno})") from None
+    if not isinstance(data, dict):
+        raise StageError(f"{path}: expected a JSON object of stage -> value")
+    return data
+
+
+def merge(workspace: Path, results: Path, staging: Path) -> Merged:
+    """Lay out under `staging` (emptied first) the metrics/ and scratch/ a report reads: the committed `results`
+    folder's, overlaid with the `workspace`'s. Reads only; `results` and `workspace` are left as they are."""
+    workspace, results = Path(workspace), Path(results)
+    ws_metrics = _study_metrics(workspace / "metrics" / "stepwise")
+    if not ws_metrics:
+        raise StageError(f"{workspace}: no metrics/stepwise/*.json (run a study there first)")
+    if staging.exists():
+        shutil.rmtree(staging)
+    (staging / "metrics" / "stepwise").mkdir(parents=True)
+    (staging / "scratch").mkdir()
+    committed = _study_metrics(results / "metrics" / "stepwise")
+    for name, path in {**committed, **ws_metrics}.items():
+        shutil.copy2(path, staging / "metrics" / "stepwise" / path.name)
+    e2e = next((p for p in (workspace / "metrics" / "e2e.json", results / "metrics" / "e2e.json") if p.is_file()),
+               None)
+    if e2e is not None:
+        shutil.copy2(e2e, staging / "metrics" / "e2e.json")
+    for ws_rel, kept_name in _JSON_RECORDS.items():
+        record = {**_read_record(results / kept_name), **_read_record(workspace / ws_rel)}
+        if record:
+            write_json_atomic(staging / ws_rel, record)
+    e2e_from = "none" if e2e is None else "the workspace" if e2e.parent.parent == workspace else "as committed"
+    return Merged(staging, sorted(ws_metrics), sorted(set(committed) - set(ws_metrics)), e2e_from)
+
+
+def merged_lock(workspace: Path, results: Path) -> str | None:
+    """The results folder's dvc.lock with the workspace's stages put over it (a stage the workspace ran replaces
+    the committed one; the rest stay)."""
+    def stages(path: Path) -> tuple[dict, dict]:
+        if not path.is_file():
+            return {}, {}
+        data = yaml.safe_load(path.read_text()) or {}
+        if not isinstance(data, dict):
+            raise StageError(f"{path}: not a dvc.lock (expected a mapping)")
+        return data, data.get("stages") or {}
+
+    ws_lock, ws_stages = stages(Path(workspace) / "dvc.lock")
+    kept_lock, kept_stages = stages(Path(results) / "dvc.lock")
+    if not ws_stages and not kept_stages:
+        return None
+    lock = {**kept_lock, **ws_lock, "stages": {**kept_stages, **ws_stages}}
+    return yaml.safe_dump(lock, sort_keys=False)
+
+
+def install(staging: Path, workspace: Path, results: Path) -> None:
+    """Copy the staged metrics, records, report and figures (and the merged dvc.lock) into `results`; a file is
+    replaced only once its successor is complete."""
+    results.mkdir(parents=True, exist_ok=True)
+    report = staging / "reports" / "README.md"
+    if not report.is_file():
+        raise StageError(f"{report}: the report was not written")
+    lock = merged_lock(workspace, results)
+    for sub in ("metrics", "figures"):
+        fresh = staging / ("reports/figures" if sub == "figures" else sub)
+        incoming = results / f".{sub}.incoming"
+        if incoming.exists():
+            shutil.rmtree(incoming)
+        shutil.copytree(fresh, incoming) if fresh.is_dir() else incoming.mkdir()
+        old = results / f".{sub}.old"
+        if old.exists():
+            shutil.rmtree(old)
+        if (results / sub).exists():
+            (results / sub).rename(old)
+        incoming.rename(results / sub)
+        if old.exists():
+            shutil.rmtree(old)
+    write_text_atomic(results / "report.md", report.read_text())
+    for ws_rel, kept_name in _JSON_RECORDS.items():
+        if (staging / ws_rel).is_file():
+            write_text_atomic(results / kept_name, (staging / ws_rel).read_text())
+    if lock is not None:
+        write_text_atomic(results / "dvc.lock", lock)
+
+
+__all__ = ["Merged", "install", "merge", "merged_lock"]

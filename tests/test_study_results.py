@@ -1,0 +1,136 @@
+"""`kvshot study-results`: studies run in different workspaces fold into one committed results folder, each study's
+metrics and records from where it last ran, and the report is regenerated from the merged files alone."""
+import json
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import yaml
+
+from pipeline.provenance import cpu_name, record_time
+from pipeline.study_results import install, merge, merged_lock
+from stages.common import StageError
+
+ROOT = Path(__file__).resolve().parent.parent
+COMMITTED = ROOT / "results" / "study"
+KVSHOT = str(Path(sys.executable).parent / "kvshot")
+
+
+def _lock(stages: dict) -> str:
+    return yaml.safe_dump({"schema": "2.0", "stages": stages}, sort_keys=False)
+
+
+@pytest.fixture()
+def folders(tmp_path):
+    """A committed results folder holding injection and depth, and a workspace that ran depth again and scale."""
+    results, ws = tmp_path / "results", tmp_path / "ws"
+    (results / "metrics" / "stepwise").mkdir(parents=True)
+    (results / "figures").mkdir()
+    (results / "figures" / "old.png").write_bytes(b"png")
+    for name in ("injection", "depth"):
+        (results / "metrics" / "stepwise" / f"{name}.json").write_text(json.dumps([{"committed": name}]))
+    (results / "timings.json").write_text(json.dumps({"regenerate": 900.0, "sweep:injection": 5800.0,
+                                                      "sweep:depth": 8300.0}))
+    (results / "dvc.lock").write_text(_lock({"prepare": {"cmd": "kvshot prepare", "md5": "old"},
+                                             "study@injection": {"cmd": "kvshot sweep --study injection"}}))
+    (ws / "metrics" / "stepwise").mkdir(parents=True)
+    (ws / "scratch").mkdir()
+    for name in ("depth", "scale"):
+        (ws / "metrics" / "stepwise" / f"{name}.json").write_text(json.dumps([{"workspace": name}]))
+    (ws / "metrics" / "e2e.json").write_text("[]")
+    (ws / "scratch" / "timings.json").write_text(json.dumps({"regenerate": 950.0, "sweep:scale": 7000.0}))
+    (ws / "scratch" / "machines.json").write_text(json.dumps({"sweep:scale": "2 CPU cores (native bf16)"}))
+    (ws / "dvc.lock").write_text(_lock({"prepare": {"cmd": "kvshot prepare", "md5": "new"},
+                                        "study@scale": {"cmd": "kvshot sweep --study scale"}}))
+    return results, ws, tmp_path / "staging"
+
+
+def test_the_workspace_replaces_only_the_studies_it_ran(folders):
+    results, ws, staging = folders
+    merged = merge(ws, results, staging)
+    assert merged.from_workspace == ["depth", "scale"] and merged.kept == ["injection"]
+    assert merged.e2e == "the workspace"
+    stepwise = {p.stem: json.loads(p.read_text()) for p in (staging / "metrics" / "stepwise").glob("*.json")}
+    assert stepwise == {"injection": [{"committed": "injection"}], "depth": [{"workspace": "depth"}],
+                        "scale": [{"workspace": "scale"}]}
+    times = json.loads((staging / "scratch" / "timings.json").read_text())
+    assert times == {"regenerate": 950.0, "sweep:depth": 8300.0, "sweep:injection": 5800.0, "sweep:scale": 7000.0}
+    assert json.loads((staging / "scratch" / "machines.json").read_text()) == {"sweep:scale": "2 CPU cores (native bf16)"}
+    lock = yaml.safe_load(merged_lock(ws, results))
+    assert lock["stages"]["prepare"]["md5"] == "new"
+    assert set(lock["stages"]) == {"prepare", "study@injection", "study@scale"}
+    assert (results / "metrics" / "stepwise" / "depth.json").read_text() == json.dumps([{"committed": "depth"}])
+
+
+def test_install_swaps_the_folder_contents(folders):
+    results, ws, staging = folders
+    merge(ws, results, staging)
+    (staging / "reports" / "figures").mkdir(parents=True)
+    (staging / "reports" / "figures" / "alpha_scale.png").write_bytes(b"new")
+    (staging / "reports" / "README.md").write_text("# report\n")
+    install(staging, ws, results)
+    assert (results / "report.md").read_text() == "# report\n"
+    assert sorted(p.name for p in (results / "figures").iterdir()) == ["alpha_scale.png"]   # the stale one went
+    assert sorted(p.name for p in (results / "metrics" / "stepwise").iterdir()) == ["depth.json", "injection.json",
+                                                                                    "scale.json"]
+    assert json.loads((results / "machines.json").read_text()) == {"sweep:scale": "2 CPU cores (native bf16)"}
+    assert "study@scale" in (results / "dvc.lock").read_text()
+    assert not any(p.name.startswith(".") for p in results.iterdir())
+
+
+def test_a_workspace_without_metrics_is_refused(folders):
+    results, ws, staging = folders
+    shutil.rmtree(ws / "metrics")
+    with pytest.raises(StageError, match="no metrics/stepwise"):
+        merge(ws, results, staging)
+
+
+def test_a_broken_record_names_its_file(folders):
+    results, ws, staging = folders
+    (ws / "scratch" / "timings.json").write_text("{")
+    with pytest.raises(StageError, match="timings.json: not valid JSON"):
+        merge(ws, results, staging)
+
+
+def test_record_time_keeps_the_machine_beside_the_time(tmp_path):
+    record_time(tmp_path, "sweep:scale", 12.34, machine="machine A")
+    record_time(tmp_path, "features", 5.0, machine="machine B")
+    assert json.loads((tmp_path / "scratch" / "timings.json").read_text()) == {"features": 5.0, "sweep:scale": 12.3}
+    assert json.loads((tmp_path / "scratch" / "machines.json").read_text()) == {"features": "machine B",
+                                                                                 "sweep:scale": "machine A"}
+
+
+def test_cpu_name_reads_the_model_name(tmp_path):
+    info = tmp_path / "cpuinfo"
+    info.write_text("processor\t: 0\nvendor_id\t: AuthenticAMD\nmodel name\t: AMD EPYC 9B14\nflags\t\t: fpu\n")
+    assert cpu_name(info) == "AMD EPYC 9B14"
+    assert cpu_name(tmp_path / "missing")   # falls back to what platform knows
+
+
+def test_cli_regenerates_the_report_from_committed_and_new_metrics(tmp_path):
+    """The committed injection and depth metrics plus a workspace that ran depth again: the report holds both
+    studies, the per-study table names the machine the workspace recorded, the committed folder keeps injection."""
+    results = tmp_path / "results"
+    shutil.copytree(COMMITTED, results)
+    ws = tmp_path / "ws"
+    (ws / "metrics" / "stepwise").mkdir(parents=True)
+    (ws / "scratch").mkdir()
+    shutil.copy2(COMMITTED / "metrics" / "stepwise" / "depth.json", ws / "metrics" / "stepwise" / "depth.json")
+    (ws / "scratch" / "timings.json").write_text(json.dumps({"sweep:depth": 600.0}))
+    (ws / "scratch" / "machines.json").write_text(json.dumps({"sweep:depth": "test machine with 2 cores"}))
+    out = subprocess.run([KVSHOT, "study-results", str(ws), "--into", str(results)], cwd=ROOT,
+                         capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr
+    assert "kept as committed: injection" in out.stdout + out.stderr
+    report = (results / "report.md").read_text()
+    assert "| depth     |" in report and "| injection |" in report
+    assert "10.0 min (sweep)" in report and "test machine with 2 cores" in report
+    assert sorted(p.name for p in (results / "metrics" / "stepwise").iterdir()) == ["depth.json", "injection.json"]
+    assert json.loads((results / "timings.json").read_text())["sweep:injection"] == 5823.0
+
+    bad = subprocess.run([KVSHOT, "study-results", str(tmp_path / "nowhere"), "--into", str(results)], cwd=ROOT,
+                         capture_output=True, text=True, timeout=300)
+    assert bad.returncode == 2 and "no metrics/stepwise" in bad.stderr
+    assert len(bad.stderr.strip().splitlines()) == 1
