@@ -105,7 +105,10 @@ def install(staging: Path, workspace: Path, results: Path) -> None:
         incoming = results / f".{sub}.incoming"
         if incoming.exists():
             shutil.rmtree(incoming)
-        shutil.copytree(fresh, incoming) if fresh.is_dir() else incoming.mkdir()
+        if fresh.is_dir():
+            shutil.copytree(fresh, incoming)
+        else:
+            incoming.mkdir()
         old = results / f".{sub}.old"
         if old.exists():
             shutil.rmtree(old)
