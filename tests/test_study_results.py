@@ -123,11 +123,14 @@ def test_cli_regenerates_the_report_from_committed_and_new_metrics(tmp_path):
     out = subprocess.run([KVSHOT, "study-results", str(ws), "--into", str(results)], cwd=ROOT,
                          capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stderr
-    assert "kept as committed: injection" in out.stdout + out.stderr
+    committed = sorted(p.stem for p in (COMMITTED / "metrics" / "stepwise").glob("*.json"))
+    assert "injection" in committed and "depth" in committed
+    kept = [name for name in committed if name != "depth"]
+    assert f"kept as committed: {', '.join(kept)}" in out.stdout + out.stderr
     report = (results / "report.md").read_text()
     assert "| depth     |" in report and "| injection |" in report
     assert "10.0 min (sweep)" in report and "test machine with 2 cores" in report
-    assert sorted(p.name for p in (results / "metrics" / "stepwise").iterdir()) == ["depth.json", "injection.json"]
+    assert sorted(p.stem for p in (results / "metrics" / "stepwise").iterdir()) == committed
     assert json.loads((results / "timings.json").read_text())["sweep:injection"] == 5823.0
 
     bad = subprocess.run([KVSHOT, "study-results", str(tmp_path / "nowhere"), "--into", str(results)], cwd=ROOT,
