@@ -45,11 +45,14 @@ def hardware() -> str:
     return f"{psutil.cpu_count(logical=True)} CPU cores ({cpu}), {mem:.0f} GiB RAM, {gpu}"
 
 
+def _read_json(path: Path) -> dict:
+    return json.loads(path.read_text()) if path.exists() else {}
+
+
 def _update_json(path: Path, key: str, value: object) -> None:
     from stages.common import write_json_atomic
 
-    data = json.loads(path.read_text()) if path.exists() else {}
-    data[key] = value
+    data = {**_read_json(path), key: value}
     path.parent.mkdir(parents=True, exist_ok=True)
     write_json_atomic(path, dict(sorted(data.items())))
 
@@ -59,10 +62,6 @@ def record_time(root: Path, command: str, seconds: float, machine: str | None = 
     machine it ran on (this one unless given)."""
     _update_json(Path(root) / TIMINGS, command, round(seconds, 1))
     _update_json(Path(root) / MACHINES, command, machine or hardware())
-
-
-def _read_json(path: Path) -> dict:
-    return json.loads(path.read_text()) if path.exists() else {}
 
 
 def provenance(cfg: Config, paths) -> dict:

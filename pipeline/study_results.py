@@ -61,15 +61,14 @@ def merge(workspace: Path, results: Path, staging: Path) -> Merged:
     committed = _study_metrics(results / "metrics" / "stepwise")
     for name, path in {**committed, **ws_metrics}.items():
         shutil.copy2(path, staging / "metrics" / "stepwise" / path.name)
-    e2e = next((p for p in (workspace / "metrics" / "e2e.json", results / "metrics" / "e2e.json") if p.is_file()),
-               None)
-    if e2e is not None:
-        shutil.copy2(e2e, staging / "metrics" / "e2e.json")
+    ws_e2e, kept_e2e = workspace / "metrics" / "e2e.json", results / "metrics" / "e2e.json"
+    e2e_from = "the workspace" if ws_e2e.is_file() else "as committed" if kept_e2e.is_file() else "none"
+    if e2e_from != "none":
+        shutil.copy2(ws_e2e if ws_e2e.is_file() else kept_e2e, staging / "metrics" / "e2e.json")
     for ws_rel, kept_name in _JSON_RECORDS.items():
         record = {**_read_record(results / kept_name), **_read_record(workspace / ws_rel)}
         if record:
             write_json_atomic(staging / ws_rel, record)
-    e2e_from = "none" if e2e is None else "the workspace" if e2e.parent.parent == workspace else "as committed"
     return Merged(staging, sorted(ws_metrics), sorted(set(committed) - set(ws_metrics)), e2e_from)
 
 
@@ -100,8 +99,7 @@ def install(staging: Path, workspace: Path, results: Path) -> None:
     if not report.is_file():
         raise StageError(f"{report}: the report was not written")
     lock = merged_lock(workspace, results)
-    for sub in ("metrics", "figures"):
-        fresh = staging / ("reports/figures" if sub == "figures" else sub)
+    for sub, fresh in (("metrics", staging / "metrics"), ("figures", staging / "reports" / "figures")):
         incoming = results / f".{sub}.incoming"
         if incoming.exists():
             shutil.rmtree(incoming)

@@ -64,6 +64,18 @@ def test_the_workspace_replaces_only_the_studies_it_ran(folders):
     assert (results / "metrics" / "stepwise" / "depth.json").read_text() == json.dumps([{"committed": "depth"}])
 
 
+def test_e2e_comes_from_the_workspace_else_stays_as_committed(folders):
+    results, ws, staging = folders
+    (results / "metrics" / "e2e.json").write_text('[{"committed": true}]')
+    assert merge(ws, results, staging).e2e == "the workspace"
+    assert (staging / "metrics" / "e2e.json").read_text() == "[]"
+    (ws / "metrics" / "e2e.json").unlink()
+    assert merge(ws, results, staging).e2e == "as committed"
+    assert (staging / "metrics" / "e2e.json").read_text() == '[{"committed": true}]'
+    (results / "metrics" / "e2e.json").unlink()
+    assert merge(ws, results, staging).e2e == "none" and not (staging / "metrics" / "e2e.json").exists()
+
+
 def test_install_swaps_the_folder_contents(folders):
     results, ws, staging = folders
     merge(ws, results, staging)
