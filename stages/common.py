@@ -275,6 +275,12 @@ class StageProgress:
     def advance(self, task_id: int, n: float = 1, **fields: Any) -> None:
         self.update(task_id, completed=self._tasks[task_id].completed + n, **fields)
 
+    def skip(self, task_id: int, n: float = 1, **fields: Any) -> None:
+        """Count `n` items done without work (dropped, already there): they move the count, not the rate, so an
+        early line made of skipped items alone shows no time left rather than an absurd one."""
+        self._tasks[task_id].start_completed += n
+        self.advance(task_id, n, **fields)
+
     def update(self, task_id: int, completed: float | None = None, **fields: Any) -> None:
         t = self._tasks[task_id]
         if completed is not None:

@@ -438,7 +438,8 @@ def regenerate_rows(rows: list[dict], final: Path, params: RegenerateParams, tar
                     writer(row)
                     done[row["id"]] = row
                     live[0] += row.get("gen_tokens", 0)
-                bar.advance(task, tokens=tokens + live[0], tps=live[0] / max(time.perf_counter() - t0, 1e-9))
+                count = bar.skip if "dropped" in row else bar.advance
+                count(task, tokens=tokens + live[0], tps=live[0] / max(time.perf_counter() - t0, 1e-9))
 
             try:
                 for w, win in todo:

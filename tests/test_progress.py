@@ -62,6 +62,20 @@ def test_slow_rates_read_per_minute_and_a_terminal_gets_a_live_bar_instead():
     assert live.live
 
 
+def test_skipped_items_move_the_count_but_not_the_rate():
+    """Regenerate drops over-long prompts at once: a line made of those alone shows no time left, and the rate
+    later counts only the conversations really generated."""
+    out, clock = io.StringIO(), Clock()
+    with StageProgress(Console(file=out, force_terminal=False, width=200), every_s=20, clock=clock) as bar:
+        task = bar.add_task("regenerate sharegpt", total=400, unit="conv", completed=100)
+        clock.t = 22
+        bar.skip(task, 1)
+        clock.t = 60
+        bar.advance(task, 60)                       # 60 generated in 60 s: 1 conv/s, 239 left
+    assert out.getvalue().splitlines() == ["regenerate sharegpt: 101/400 conv (25%)",
+                                           "regenerate sharegpt: 161/400 conv (40%), 1.0 conv/s, 3:59 left"]
+
+
 # -- every stage, with a captured (non-terminal) output ------------------------------------------------------------
 
 def test_regenerate_prints_progress(tmp_path, capsys):
