@@ -5,12 +5,16 @@ in different workspaces, on different machines, combined into one folder and one
 replaces that study's committed metrics; every other study's stay as committed. Stage wall times, the machines the
 stages ran on and the `dvc.lock` stages merge the same way (the workspace's entries win). The report is then
 regenerated from the merged files alone, so every row keeps the commit and fingerprint it was trained at.
+
+A study run in parts (say seed 0 in one workspace, seeds 1 and 2 in another) combines instead of replacing, but only
+on the same data: a committed row of a trial the workspace did not run stays when its input data hashes equal
+those of a workspace row, and the study's sweep time is then the sum of its parts.
 """
 from __future__ import annotations
 
 import json
 import shutil
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import yaml
@@ -29,6 +33,7 @@ class Merged:
     from_workspace: list[str]
     kept: list[str]
     e2e: str   # where metrics/e2e.json came from: "the workspace", "as committed" or "none"
+    combined: list[str] = field(default_factory=list)   # studies whose committed rows on the same data were kept
 
 
 def _study_metrics(folder: Path) -> dict[str, Path]:
@@ -59,17 +64,50 @@ def merge(workspace: Path, results: Path, staging: Path) -> Merged:
     (staging / "metrics" / "stepwise").mkdir(parents=True)
     (staging / "scratch").mkdir()
     committed = _study_metrics(results / "metrics" / "stepwise")
+    combined = []
     for name, path in {**committed, **ws_metrics}.items():
-        shutil.copy2(path, staging / "metrics" / "stepwise" / path.name)
+        rows = _read_rows(path)
+        if name in committed and name in ws_metrics:
+            kept = same_data_rows(_read_rows(committed[name]), rows)
+            if kept:
+                combined.append(name)
+                rows = kept + rows
+        write_json_atomic(staging / "metrics" / "stepwise" / path.name, rows)
     ws_e2e, kept_e2e = workspace / "metrics" / "e2e.json", results / "metrics" / "e2e.json"
     e2e_from = "the workspace" if ws_e2e.is_file() else "as committed" if kept_e2e.is_file() else "none"
     if e2e_from != "none":
         shutil.copy2(ws_e2e if ws_e2e.is_file() else kept_e2e, staging / "metrics" / "e2e.json")
     for ws_rel, kept_name in _JSON_RECORDS.items():
-        record = {**_read_record(results / kept_name), **_read_record(workspace / ws_rel)}
+        kept_record, ws_record = _read_record(results / kept_name), _read_record(workspace / ws_rel)
+        record = {**kept_record, **ws_record}
+        if ws_rel == TIMINGS:   # a study run in parts took the time of its parts
+            for name in combined:
+                key = f"sweep:{name}"
+                if key in kept_record and key in ws_record:
+                    record[key] = round(kept_record[key] + ws_record[key], 1)
         if record:
             write_json_atomic(staging / ws_rel, record)
-    return Merged(staging, sorted(ws_metrics), sorted(set(committed) - set(ws_metrics)), e2e_from)
+    return Merged(staging, sorted(ws_metrics), sorted(set(committed) - set(ws_metrics)), e2e_from, combined)
+
+
+def _read_rows(path: Path) -> list:
+    try:
+        rows = json.loads(path.read_text())
+    except json.JSONDecodeError as exc:
+        raise StageError(f"{path}: not valid JSON ({exc.msg}, line {exc.lineno})") from None
+    if not isinstance(rows, list):
+        raise StageError(f"{path}: expected a JSON list of trial rows")
+    return rows
+
+
+def same_data_rows(committed: list, fresh: list) -> list:
+    """The committed rows to keep beside a workspace's rows of the same study: those of trials the workspace did
+    not run, trained on the very data (the same input hashes, `data`) as some workspace row. Rows without data
+    hashes, or on other data, are not comparable with the workspace's and go (the study is replaced)."""
+    fresh_data = [r.get("data") for r in fresh if isinstance(r, dict) and r.get("data")]
+    names = {r.get("trial") for r in fresh if isinstance(r, dict)}
+    return [r for r in committed if isinstance(r, dict) and r.get("trial") not in names
+            and r.get("data") and r.get("data") in fresh_data]
 
 
 def merged_lock(workspace: Path, results: Path) -> str | None:
@@ -123,4 +161,4 @@ def install(staging: Path, workspace: Path, results: Path) -> None:
         write_text_atomic(results / "dvc.lock", lock)
 
 
-__all__ = ["Merged", "install", "merge", "merged_lock"]
+__all__ = ["Merged", "install", "merge", "merged_lock", "same_data_rows"]

@@ -156,6 +156,7 @@ def base_row(trial: Trial) -> dict:
     return {"trial": trial.name, "study": trial.study, "variant": d.variant, "depth": d.depth,
             "injection": d.injection, "rope_fix": d.rope_fix, "init": d.init, "scale": t.scale, "seed": t.seed,
             "values": trial.values, "fingerprint": trial.fingerprint,
+            **({"data": trial.data_hashes} if trial.data_hashes else {}),
             **({"git_commit": trial.commit} if trial.commit else {})}
 
 

@@ -64,6 +64,33 @@ def test_the_workspace_replaces_only_the_studies_it_ran(folders):
     assert (results / "metrics" / "stepwise" / "depth.json").read_text() == json.dumps([{"committed": "depth"}])
 
 
+def test_a_study_run_in_parts_combines_its_rows_on_the_same_data(folders):
+    """Seeds 1 and 2 run in a second workspace on the same data as the committed seed 0: the study keeps seed 0's
+    rows and adds the new ones, and its sweep time is the sum of both parts; rows on other data (or without data
+    hashes) are replaced as before."""
+    results, ws, staging = folders
+    same, other = {"features/small": "md5:a"}, {"features/small": "md5:b"}
+    committed = [{"trial": "eagle3", "data": same}, {"trial": "eagle3-s1", "data": same},
+                 {"trial": "eagle3-s3", "data": other}, {"trial": "old"}]
+    (results / "metrics" / "stepwise" / "depth.json").write_text(json.dumps(committed))
+    fresh = [{"trial": "eagle3-s1", "data": same, "new": True}, {"trial": "eagle3-s2", "data": same}]
+    (ws / "metrics" / "stepwise" / "depth.json").write_text(json.dumps(fresh))
+    record_time(ws, "sweep:depth", 100.0)
+    merged = merge(ws, results, staging)
+    assert merged.combined == ["depth"]
+    rows = json.loads((staging / "metrics" / "stepwise" / "depth.json").read_text())
+    assert [r["trial"] for r in rows] == ["eagle3", "eagle3-s1", "eagle3-s2"] and rows[1]["new"]
+    assert json.loads((staging / "scratch" / "timings.json").read_text())["sweep:depth"] == 8400.0
+    (ws / "metrics" / "stepwise" / "depth.json").write_text(json.dumps([{"trial": "x", "data": other}]))
+    merged = merge(ws, results, staging)
+    assert merged.combined == ["depth"] and [r["trial"] for r in json.loads(
+        (staging / "metrics" / "stepwise" / "depth.json").read_text())] == ["eagle3-s3", "x"]
+    (ws / "metrics" / "stepwise" / "depth.json").write_text(json.dumps([{"trial": "x"}]))
+    merged = merge(ws, results, staging)
+    assert merged.combined == [] and json.loads((staging / "scratch" / "timings.json").read_text())[
+        "sweep:depth"] == 100.0
+
+
 def test_e2e_comes_from_the_workspace_else_stays_as_committed(folders):
     results, ws, staging = folders
     (results / "metrics" / "e2e.json").write_text('[{"committed": true}]')
