@@ -37,7 +37,9 @@ class StudyParams(Section):
 
     grid: dict[str, list[Any]] = {}
     include: list[dict[str, Any]] = []
-    seeds: list[int] = [0]
+    # an axis over train.seed for every trial of the grid; None: the profile's train.seed (a default of [0] would
+    # be written out into a resolved workspace profile and there override a grid's own train.seed axis)
+    seeds: list[int] | None = None
     # decode end to end with this study's drafters: all of them (true), or those whose config matches every
     # {key: [values]} of a mapping (e.g. {train.scale: [large]})
     e2e: bool | dict[str, list[Any]] = False

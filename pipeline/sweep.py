@@ -148,7 +148,9 @@ def plan(cfg: Config, axes: dict[str, list[Any]] | None = None, study: str | Non
         spec = cfg.studies[study]
         grid = _resolve_axes(spec.grid)
         includes = [{resolve_key(k): v for k, v in entry.items()} for entry in spec.include]
-        if "seeds" in spec.model_fields_set or len(spec.seeds) > 1:
+        if spec.seeds is not None:
+            if SEED in grid:
+                raise ConfigError(f"studies.{study}: both `seeds` and the grid axis {SEED} set the seed; give one")
             outer.setdefault(SEED, list(spec.seeds))
         for k in outer:
             grid.pop(k, None)

@@ -100,6 +100,23 @@ def test_seeds_make_one_parent_per_seed():
     assert by["eagle3-s1-continued"].depends_on == "eagle3-s1"
 
 
+def test_a_resolved_profile_plans_what_the_profile_plans(tmp_path, monkeypatch):
+    """A workspace's params.yaml is the profile resolved and written out, defaults included: a study whose grid has
+    a train.seed axis must plan the same trials there (a written-out default `seeds` once replaced that axis)."""
+    from pipeline.dvc_workspace import prepare_workspace
+
+    cfg = with_values(smoke(), {"studies": {"h": {"grid": {"drafter.variant": ["hybrid"], "train.seed": [1, 2]}}}})
+    monkeypatch.setenv("KVSHOT_WORKSPACES", str(tmp_path))
+    resolved = load_config(str(prepare_workspace(cfg, "mine") / "params.yaml"))
+    names = [t.name for t in plan(cfg, study="h")]
+    assert names == [t.name for t in plan(resolved, study="h")]
+    assert set(names) == {"hybrid-s1", "hybrid-s2", "eagle3-s1", "eagle3-s2", "eagle3-s1-continued",
+                          "eagle3-s2-continued"}
+    both = with_values(cfg, {"studies": {"h": {"grid": {"train.seed": [1, 2]}, "seeds": [0]}}})
+    with pytest.raises(ConfigError, match=r"studies.h: both `seeds` and the grid axis train.seed"):
+        plan(both, study="h")
+
+
 def test_continued_control_once_per_parent_and_shared_across_studies():
     """Every ckpt child gets its compute-matched baseline: the parent eagle3 continued for the same schedule, added
     once per parent (hybrid and cross-only from one parent share it), with the same config in every study, so its
