@@ -7,8 +7,10 @@ stages ran on and the `dvc.lock` stages merge the same way (the workspace's entr
 regenerated from the merged files alone, so every row keeps the commit and fingerprint it was trained at.
 
 A study run in parts (say seed 0 in one workspace, seeds 1 and 2 in another) combines instead of replacing, but only
-on the same data: a committed row of a trial the workspace did not run stays when its input data hashes equal
-those of a workspace row, and the study's sweep time is then the sum of its parts.
+on the same conversations: a committed row of a trial the workspace did not run stays when its regenerated
+conversations (and eval set) have the hashes of a workspace row's, and the study's sweep time is then the sum of
+its parts. The feature caches of the parts may differ in bf16 rounding (the target run on another CPU); seeds
+pooled across parts carry that difference as part of their run-to-run variation.
 """
 from __future__ import annotations
 
@@ -100,14 +102,22 @@ def _read_rows(path: Path) -> list:
     return rows
 
 
+def conversations(row: dict) -> dict:
+    """The hashes of the conversations a row trained and was evaluated on (`data`: regenerated/<source>, eval),
+    without the feature cache: the cache is the target run over those conversations, and in bf16 its bits differ
+    from one CPU to another (rounding), so two workspaces on the same conversations never share its hash."""
+    data = row.get("data") or {}
+    return {k: v for k, v in data.items() if k.startswith("regenerated/") or k == "eval"}
+
+
 def same_data_rows(committed: list, fresh: list) -> list:
     """The committed rows to keep beside a workspace's rows of the same study: those of trials the workspace did
-    not run, trained on the very data (the same input hashes, `data`) as some workspace row. Rows without data
-    hashes, or on other data, are not comparable with the workspace's and go (the study is replaced)."""
-    fresh_data = [r.get("data") for r in fresh if isinstance(r, dict) and r.get("data")]
+    not run, on the same conversations as some workspace row. Rows without data hashes, or on other
+    conversations, are not comparable with the workspace's and go (the study is replaced)."""
+    fresh_data = [conversations(r) for r in fresh if isinstance(r, dict) and conversations(r)]
     names = {r.get("trial") for r in fresh if isinstance(r, dict)}
     return [r for r in committed if isinstance(r, dict) and r.get("trial") not in names
-            and r.get("data") and r.get("data") in fresh_data]
+            and conversations(r) and conversations(r) in fresh_data]
 
 
 def merged_lock(workspace: Path, results: Path) -> str | None:
@@ -161,4 +171,4 @@ def install(staging: Path, workspace: Path, results: Path) -> None:
         write_text_atomic(results / "dvc.lock", lock)
 
 
-__all__ = ["Merged", "install", "merge", "merged_lock", "same_data_rows"]
+__all__ = ["Merged", "conversations", "install", "merge", "merged_lock", "same_data_rows"]

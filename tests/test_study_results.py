@@ -65,12 +65,14 @@ def test_the_workspace_replaces_only_the_studies_it_ran(folders):
 
 
 def test_a_study_run_in_parts_combines_its_rows_on_the_same_data(folders):
-    """Seeds 1 and 2 run in a second workspace on the same data as the committed seed 0: the study keeps seed 0's
-    rows and adds the new ones, and its sweep time is the sum of both parts; rows on other data (or without data
-    hashes) are replaced as before."""
+    """Seeds 1 and 2 run in a second workspace on the same conversations as the committed seed 0: the study keeps
+    seed 0's rows (whatever CPU computed their feature cache) and adds the new ones, and its sweep time is the sum of
+    both parts; rows on other conversations (or without data hashes) are replaced as before."""
     results, ws, staging = folders
-    same, other = {"features/small": "md5:a"}, {"features/small": "md5:b"}
-    committed = [{"trial": "eagle3", "data": same}, {"trial": "eagle3-s1", "data": same},
+    same = {"regenerated/sharegpt": "sha256:a", "features/small": "dir-sha256:1"}
+    other = {"regenerated/sharegpt": "sha256:b", "features/small": "dir-sha256:1"}
+    rounded = {**same, "features/small": "dir-sha256:2"}     # the same conversations, the target run elsewhere
+    committed = [{"trial": "eagle3", "data": rounded}, {"trial": "eagle3-s1", "data": same},
                  {"trial": "eagle3-s3", "data": other}, {"trial": "old"}]
     (results / "metrics" / "stepwise" / "depth.json").write_text(json.dumps(committed))
     fresh = [{"trial": "eagle3-s1", "data": same, "new": True}, {"trial": "eagle3-s2", "data": same}]
