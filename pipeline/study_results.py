@@ -3,7 +3,8 @@ in different workspaces, on different machines, combined into one folder and one
 
 `kvshot study-results WS` folds one workspace into the folder: each study whose metrics the workspace holds
 replaces that study's committed metrics; every other study's stay as committed. Stage wall times, the machines the
-stages ran on and the `dvc.lock` stages merge the same way (the workspace's entries win). The report is then
+stages ran on and the `dvc.lock` stages merge the same way (the workspace's entries win); so do the end-to-end rows,
+by study (the workspace's rows replace those of the studies it decoded). The report is then
 regenerated from the merged files alone, so every row keeps the commit and fingerprint it was trained at.
 
 A study run in parts (say seed 0 in one workspace, seeds 1 and 2 in another) combines instead of replacing, but only
@@ -34,7 +35,8 @@ class Merged:
     root: Path
     from_workspace: list[str]
     kept: list[str]
-    e2e: str   # where metrics/e2e.json came from: "the workspace", "as committed" or "none"
+    e2e: str   # where metrics/e2e.json came from: "the workspace" (with committed rows of other studies), "as
+    #            committed" or "none"
     combined: list[str] = field(default_factory=list)   # studies whose committed rows on the same data were kept
 
 
@@ -75,10 +77,8 @@ def merge(workspace: Path, results: Path, staging: Path) -> Merged:
                 combined.append(name)
                 rows = kept + rows
         write_json_atomic(staging / "metrics" / "stepwise" / path.name, rows)
-    ws_e2e, kept_e2e = workspace / "metrics" / "e2e.json", results / "metrics" / "e2e.json"
-    e2e_from = "the workspace" if ws_e2e.is_file() else "as committed" if kept_e2e.is_file() else "none"
-    if e2e_from != "none":
-        shutil.copy2(ws_e2e if ws_e2e.is_file() else kept_e2e, staging / "metrics" / "e2e.json")
+    e2e_from = _merge_e2e(workspace / "metrics" / "e2e.json", results / "metrics" / "e2e.json",
+                          staging / "metrics" / "e2e.json")
     for ws_rel, kept_name in _JSON_RECORDS.items():
         kept_record, ws_record = _read_record(results / kept_name), _read_record(workspace / ws_rel)
         record = {**kept_record, **ws_record}
@@ -90,6 +90,24 @@ def merge(workspace: Path, results: Path, staging: Path) -> Merged:
         if record:
             write_json_atomic(staging / ws_rel, record)
     return Merged(staging, sorted(ws_metrics), sorted(set(committed) - set(ws_metrics)), e2e_from, combined)
+
+
+def _merge_e2e(ws_e2e: Path, kept_e2e: Path, out: Path) -> str:
+    """metrics/e2e.json: the workspace's rows replace the committed rows of the studies it decoded; the committed
+    rows of other studies stay (the scale and block studies decoded in different workspaces). Says where the rows
+    came from."""
+    if not ws_e2e.is_file():
+        if not kept_e2e.is_file():
+            return "none"
+        shutil.copy2(kept_e2e, out)
+        return "as committed"
+    fresh = _read_rows(ws_e2e)
+    decoded = {r.get("study") for r in fresh if isinstance(r, dict)}
+    kept = [r for r in (_read_rows(kept_e2e) if kept_e2e.is_file() else [])
+            if isinstance(r, dict) and r.get("study") and r.get("study") not in decoded]
+    write_json_atomic(out, kept + fresh)
+    others = sorted({r["study"] for r in kept})
+    return "the workspace" + (f", with the committed rows of {', '.join(others)}" if others else "")
 
 
 def _read_rows(path: Path) -> list:

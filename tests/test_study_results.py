@@ -93,14 +93,25 @@ def test_a_study_run_in_parts_combines_its_rows_on_the_same_data(folders):
         "sweep:depth"] == 100.0
 
 
-def test_e2e_comes_from_the_workspace_else_stays_as_committed(folders):
+def test_e2e_rows_merge_by_study(folders):
+    """The scale and block studies decode in different workspaces: the workspace's rows replace the committed rows
+    of the studies it decoded, the other studies' rows stay; without a workspace file the committed one stays."""
     results, ws, staging = folders
-    (results / "metrics" / "e2e.json").write_text('[{"committed": true}]')
+    committed = [{"study": "scale", "trial": "eagle3-large", "committed": True},
+                 {"study": "block", "trial": "block-kv-d2", "committed": True}]
+    (results / "metrics" / "e2e.json").write_text(json.dumps(committed))
+    assert merge(ws, results, staging).e2e == "the workspace, with the committed rows of block, scale"
+    assert json.loads((staging / "metrics" / "e2e.json").read_text()) == committed   # the workspace decoded none
+    fresh = [{"study": "block", "trial": "block-kv-d2"}, {"study": "block", "trial": "block-hidden-d2"}]
+    (ws / "metrics" / "e2e.json").write_text(json.dumps(fresh))
+    assert merge(ws, results, staging).e2e == "the workspace, with the committed rows of scale"
+    assert json.loads((staging / "metrics" / "e2e.json").read_text()) == [committed[0], *fresh]
+    (results / "metrics" / "e2e.json").unlink()
     assert merge(ws, results, staging).e2e == "the workspace"
-    assert (staging / "metrics" / "e2e.json").read_text() == "[]"
+    (results / "metrics" / "e2e.json").write_text(json.dumps(committed))
     (ws / "metrics" / "e2e.json").unlink()
     assert merge(ws, results, staging).e2e == "as committed"
-    assert (staging / "metrics" / "e2e.json").read_text() == '[{"committed": true}]'
+    assert json.loads((staging / "metrics" / "e2e.json").read_text()) == committed
     (results / "metrics" / "e2e.json").unlink()
     assert merge(ws, results, staging).e2e == "none" and not (staging / "metrics" / "e2e.json").exists()
 
