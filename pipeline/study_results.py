@@ -44,16 +44,23 @@ def _study_metrics(folder: Path) -> dict[str, Path]:
     return {p.stem: p for p in sorted(folder.glob("*.json"))} if folder.is_dir() else {}
 
 
-def _read_record(path: Path) -> dict:
-    if not path.is_file():
-        return {}
+def _read_json(path: Path, kind: type, what: str):
+    """A JSON file holding a `kind` (dict or list); anything else is a one-line error naming the file."""
     try:
         data = json.loads(path.read_text())
     except json.JSONDecodeError as exc:
         raise StageError(f"{path}: not valid JSON ({exc.msg}, line {exc.lineno})") from None
-    if not isinstance(data, dict):
-        raise StageError(f"{path}: expected a JSON object of stage -> value")
+    if not isinstance(data, kind):
+        raise StageError(f"{path}: expected {what}")
     return data
+
+
+def _read_record(path: Path) -> dict:
+    return _read_json(path, dict, "a JSON object of stage -> value") if path.is_file() else {}
+
+
+def _read_rows(path: Path) -> list:
+    return _read_json(path, list, "a JSON list of trial rows")
 
 
 def merge(workspace: Path, results: Path, staging: Path) -> Merged:
@@ -108,16 +115,6 @@ def _merge_e2e(ws_e2e: Path, kept_e2e: Path, out: Path) -> str:
     write_json_atomic(out, kept + fresh)
     others = sorted({r["study"] for r in kept})
     return "the workspace" + (f", with the committed rows of {', '.join(others)}" if others else "")
-
-
-def _read_rows(path: Path) -> list:
-    try:
-        rows = json.loads(path.read_text())
-    except json.JSONDecodeError as exc:
-        raise StageError(f"{path}: not valid JSON ({exc.msg}, line {exc.lineno})") from None
-    if not isinstance(rows, list):
-        raise StageError(f"{path}: expected a JSON list of trial rows")
-    return rows
 
 
 def conversations(row: dict) -> dict:
