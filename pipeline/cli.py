@@ -268,7 +268,7 @@ def study_results(workspace: Path = typer.Argument(..., help="A study workspace,
             stage.run(cfg.report, provenance(cfg, paths), paths, lambda metrics: None)
             merge.install(merged.root, workspace, into)
         kept = f"; kept as committed: {', '.join(merged.kept)}" if merged.kept else ""
-        kept += (f"; combined with their committed rows on the same data: {', '.join(merged.combined)}"
+        kept += (f"; combined with their committed rows on the same conversations: {', '.join(merged.combined)}"
                  if merged.combined else "")
         console.print(f"{into}: studies from {workspace}: {', '.join(merged.from_workspace)}{kept}; "
                       f"e2e: {merged.e2e}; "
