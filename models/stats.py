@@ -8,7 +8,11 @@ is the ratio of the resampled sums, exactly as the point estimate is the ratio o
 - Several seeds of one setting (independent training runs): each draw also resamples the seeds with replacement,
   so the interval covers run-to-run variation as well as the choice of conversations.
 - A difference between two settings is *paired*: both sides use the same conversation weights of a draw (they
-  were evaluated on the same conversations); their seeds are resampled independently (different runs).
+  were evaluated on the same conversations). Their seeds are paired too when both ran the same seed labels: seed
+  n of each side shares the data order and, for trials initialised from an EAGLE-3 checkpoint, the parent run, so
+  a draw takes the same seeds on both sides (pass the same `seed_weights`). Settings with different seed labels
+  are resampled independently. Pairing never biases a difference (each side alone is resampled as before); it
+  only keeps what the two sides share out of the difference's spread.
 
 Intervals are percentile intervals of `draws` resamples. A claim "A > B" holds when the interval of A - B lies
 above 0, fails when it lies below, and is inconclusive otherwise (`decide`).
@@ -29,10 +33,12 @@ HOLDS, FAILS, INCONCLUSIVE = "holds", "does not hold", "inconclusive"
 @dataclass
 class ConversationCounts:
     """Step counts of one setting: `data[seed, conversation, field, k]` (fields as COUNT_FIELDS), `ids` the
-    conversations' ids (the same order for every seed)."""
+    conversations' ids (the same order for every seed), `seed_ids` the training seeds in the order of the seed
+    axis (None: unknown, never paired)."""
 
     data: np.ndarray
     ids: list[str]
+    seed_ids: list[str] | None = None
 
     @property
     def seeds(self) -> int:
@@ -48,14 +54,29 @@ class ConversationCounts:
         missing = [c for c in ids if c not in where]
         if missing:
             raise ValueError(f"conversation {missing[0]!r} has no counts in this setting")
-        return ConversationCounts(self.data[:, [where[c] for c in ids]], list(ids))
+        return ConversationCounts(self.data[:, [where[c] for c in ids]], list(ids), self.seed_ids)
+
+    def by_seed(self) -> "ConversationCounts":
+        """The same counts with the seed axis in sorted seed order (as seed weights are indexed)."""
+        if not self.seed_ids:
+            return self
+        order = sorted(range(self.seeds), key=lambda i: self.seed_ids[i])
+        return ConversationCounts(self.data[order], self.ids, [self.seed_ids[i] for i in order])
+
+    @property
+    def pairable_seeds(self) -> tuple[str, ...] | None:
+        """The sorted seed labels when every seed is labelled once (what another setting must match to pair)."""
+        if not self.seed_ids or len(set(self.seed_ids)) != self.seeds or any(s is None for s in self.seed_ids):
+            return None
+        return tuple(sorted(self.seed_ids))
 
 
-def counts_array(per_seed: list, ids: list[str] | None = None) -> ConversationCounts:
+def counts_array(per_seed: list, ids: list[str] | None = None, seeds: list | None = None) -> ConversationCounts:
     """From one entry per seed: either a list of `StepCounts` (one per conversation) or a packed
     `per_conversation` dict ({"ids", "valid": [[K]...], ...}, as the evaluate stage writes). Seeds must cover the
-    same conversations; they are aligned by id."""
-    seeds, all_ids = [], []
+    same conversations; they are aligned by id. `seeds`: each entry's training seed (for pairing)."""
+    labels = None if seeds is None else [None if x is None else str(x) for x in seeds]
+    entries = []
     for entry in per_seed:
         if isinstance(entry, dict):
             rows = np.stack([np.asarray(entry[f], dtype=np.int64) for f in COUNT_FIELDS], 1)   # [C, F, K]
@@ -63,17 +84,17 @@ def counts_array(per_seed: list, ids: list[str] | None = None) -> ConversationCo
         else:
             rows = np.asarray([[getattr(c, f) for f in COUNT_FIELDS] for c in entry], dtype=np.int64)
             conv = [str(i) for i in (ids or range(rows.shape[0]))]
-        seeds.append((conv, rows))
-    first = seeds[0][0]
+        entries.append((conv, rows))
+    first = entries[0][0]
     aligned = []
-    for conv, rows in seeds:
+    for conv, rows in entries:
         if conv != first:
             where = {c: i for i, c in enumerate(conv)}
             if set(where) != set(first):
                 raise ValueError("seeds of one setting were evaluated on different conversations")
             rows = rows[[where[c] for c in first]]
         aligned.append(rows)
-    return ConversationCounts(np.stack(aligned), list(first))
+    return ConversationCounts(np.stack(aligned), list(first), labels)
 
 
 # -- resampling ------------------------------------------------------------------------------------------------
@@ -83,13 +104,18 @@ def multinomial_weights(n: int, draws: int, rng: np.random.Generator) -> np.ndar
     return rng.multinomial(n, np.full(n, 1.0 / n), size=draws).astype(np.float64)
 
 
-def pooled(counts: ConversationCounts, conv_weights: np.ndarray, rng: np.random.Generator) -> np.ndarray:
-    """Resampled sums [draws, field, k]: seeds drawn with replacement per draw, conversations by `conv_weights`."""
+def pooled(counts: ConversationCounts, conv_weights: np.ndarray, rng: np.random.Generator,
+           seed_weights: np.ndarray | None = None) -> np.ndarray:
+    """Resampled sums [draws, field, k]: seeds drawn with replacement per draw (by `seed_weights` [draws, seeds]
+    when given, to pair with another setting on the same seeds; else from `rng`), conversations by
+    `conv_weights`."""
     per_seed = np.einsum("rc,scfk->rsfk", conv_weights, counts.data.astype(np.float64))   # [R, S, F, K]
     S = counts.seeds
     if S == 1:
         return per_seed[:, 0]
-    seed_w = multinomial_weights(S, conv_weights.shape[0], rng)                             # [R, S]
+    seed_w = multinomial_weights(S, conv_weights.shape[0], rng) if seed_weights is None else seed_weights
+    if seed_w.shape != (conv_weights.shape[0], S):
+        raise ValueError(f"seed weights of shape {seed_w.shape} for {S} seeds and {conv_weights.shape[0]} draws")
     return np.einsum("rs,rsfk->rfk", seed_w, per_seed)
 
 
@@ -143,12 +169,15 @@ def draws_from_sums(sums: np.ndarray) -> Draws:
 
 
 def bootstrap_counts(counts: ConversationCounts, draws: int = 2000, seed: int = 0,
-                     conv_weights: np.ndarray | None = None) -> Draws:
-    """Resampled metrics of one setting (pass `conv_weights` to pair it with another setting)."""
+                     conv_weights: np.ndarray | None = None, seed_weights: np.ndarray | None = None) -> Draws:
+    """Resampled metrics of one setting (pass `conv_weights`, and `seed_weights` over its seeds in sorted label
+    order, to pair it with another setting)."""
     rng = np.random.default_rng(seed)
     if conv_weights is None:
         conv_weights = multinomial_weights(len(counts.ids), draws, rng)
-    return draws_from_sums(pooled(counts, conv_weights, rng))
+    if seed_weights is not None:
+        counts = counts.by_seed()
+    return draws_from_sums(pooled(counts, conv_weights, rng, seed_weights))
 
 
 def point(counts: ConversationCounts) -> Draws:

@@ -3,8 +3,8 @@
 Every claim is a difference of two settings' metrics (or a conjunction of such differences). A difference holds
 when its 95% bootstrap interval lies above 0, fails when it lies below, and is *inconclusive* otherwise: with the
 interval in the sentence. Differences between settings evaluated on the same conversations are paired (the
-same resampled conversations on both sides); seeds are resampled too where a setting has several
-(`stages.results`). A claim whose settings are missing is *not measured*.
+same resampled conversations on both sides); seeds are resampled too where a setting has several, paired when
+both settings ran the same seeds (`stages.results`). A claim whose settings are missing is *not measured*.
 
 - P1: the deepest KV-only drafter keeps more of its accuracy than EAGLE-3 (step retention acc_6/acc_0) *and* is
   more accurate at step 6 (acc_6) *and* uses the target (acc_0 above the no-target control's).

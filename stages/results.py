@@ -172,7 +172,7 @@ def build_setting(study: str, group: pd.DataFrame) -> Setting:
         packed = [r.get("per_conversation") for r in rows]
         if all(isinstance(p, dict) and p.get("valid") for p in packed):
             try:
-                counts = counts_array(packed)
+                counts = counts_array(packed, seeds=list(ok["seed"]))
             except (ValueError, KeyError):
                 counts = None      # seeds on different conversations: point values only
         point = _point_from_counts(counts, rows) if counts is not None else _point_from_lists(rows)
@@ -186,7 +186,9 @@ def build_setting(study: str, group: pd.DataFrame) -> Setting:
 
 class Resampler:
     """Bootstrap draws for every setting, paired wherever two settings were evaluated on the same conversations
-    (one weight matrix per set of conversation ids), deterministic for the same inputs."""
+    (one weight matrix per set of conversation ids) and, among settings of several seeds, wherever they ran the
+    same seeds (one seed-weight matrix per set of seed labels: seed n shares its data order and, for checkpoint-
+    initialised trials, its parent run); deterministic for the same inputs."""
 
     def __init__(self, draws: int = 2000, seed: int = 0):
         self.n, self.seed = draws, seed
@@ -207,9 +209,11 @@ class Resampler:
         if s.counts is None or not s.counts.ids:
             return
         ids = tuple(sorted(s.counts.ids))
-        counts = s.counts.select(list(ids))
+        counts = s.counts.select(list(ids)).by_seed()
+        labels = counts.pairable_seeds
+        seed_w = self.weights(labels, kind="seeds") if labels and len(labels) > 1 else None
         sums = pooled(counts, self.weights(ids), self._rng("seeds", s.study, *map(str, s.fields.values()),
-                                                           json.dumps(s.extra, sort_keys=True)))
+                                                           json.dumps(s.extra, sort_keys=True)), seed_w)
         s.draws = draws_from_sums(sums)
 
 

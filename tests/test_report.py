@@ -278,3 +278,28 @@ def test_alpha_on_few_chains_shows_its_count(tmp_path):
     chain = text.split("Chain acceptance")[1]
     assert re.search(r"\(n=\d+\)", table_row(chain, "EAGLE-3 (hidden-only)")[3])
     assert "(n=" not in table_row(chain, "EAGLE-3 (hidden-only)")[2]
+
+
+def test_settings_on_the_same_seeds_are_paired_by_seed():
+    """Hybrid-ckpt-sN and EAGLE-3 continued-sN share seed N's parent: a seed effect common to both (±8 correct
+    tokens per conversation) must not blur a constant +1; a setting on other seeds is resampled on its own."""
+    from stages.findings import contrast
+    from stages.results import Resampler, settings_of
+
+    base = fx.row("hybrid", "base", {}, 0.5, 0.3, 0, 1)["per_conversation"]
+
+    def trial(stem: str, fields: dict, seed: int, shift: int, plus: int) -> dict:
+        per = copy.deepcopy(base)
+        per["correct"] = [[min(v, max(0, c + shift + plus)) for c, v in zip(cs, vs)]
+                          for cs, vs in zip(per["correct"], per["valid"])]
+        r = fx.row("hybrid", stem, fields, 0.5, 0.3, seed, 3)
+        return {**r, "per_conversation": per}
+
+    shifts = {0: -8, 1: 0, 2: 8}
+    rows = [trial("hybrid-ckpt", dict(variant="hybrid"), s, d, 1) for s, d in shifts.items()]
+    rows += [trial("eagle3-continued", dict(variant="eagle3", init="continued"), s, d, 0) for s, d in shifts.items()]
+    rows += [trial("eagle3", dict(variant="eagle3"), s, d, 0) for s, d in ((3, -8), (4, 0), (5, 8))]
+    hyb, cont, other = settings_of("hybrid", rows, Resampler(draws=400))
+    assert hyb.counts.pairable_seeds == cont.counts.pairable_seeds == ("0", "1", "2")
+    assert contrast(hyb, cont, "acc_0").verdict == HOLDS
+    assert contrast(hyb, other, "acc_0").verdict == INCONCLUSIVE     # seeds 3-5: not the same runs' seeds

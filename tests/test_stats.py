@@ -78,3 +78,32 @@ def test_ratio_draws_and_too_few_values():
     assert np.allclose(tau, 2.0)
     assert np.isnan(interval(np.full(10, 0.5))[0])
     assert decide(np.full(5, 1.0))[0] == INCONCLUSIVE
+
+
+def test_seeds_shared_by_two_settings_pair_the_difference():
+    """Three seeds whose run-to-run spread is shared by both settings (seed n: the same parent checkpoint), one
+    setting a little better at every seed: resampling the seeds together decides the difference; resampling them
+    independently leaves it to the seed spread."""
+    rng = np.random.default_rng(4)
+    base = synthetic([0.5], n_conv=120, rng=rng, tokens=(20, 60))
+    seeds = []
+    for shift in (-6, 0, 6):                       # a large seed effect, common to both settings
+        d = base.data.copy()
+        d[0, :, 1] = np.clip(d[0, :, 1] + shift, 0, d[0, :, 0])
+        seeds.append(d)
+    b = ConversationCounts(np.concatenate(seeds), base.ids, ["0", "1", "2"])
+    a = ConversationCounts(b.data.copy(), base.ids, ["2", "0", "1"])
+    a.data[:, :, 1] = np.minimum(a.data[:, :, 0], a.data[:, :, 1] + 1)
+    a.data[:] = a.data[[2, 0, 1]]                   # the seed axis in another order: aligned by label
+    a.data[:, :, 3] = a.data[:, :, 1]
+    w = multinomial_weights(120, 1000, np.random.default_rng(5))
+    sw = multinomial_weights(3, 1000, np.random.default_rng(6))
+    paired = bootstrap_counts(a, conv_weights=w, seed_weights=sw).acc[:, 0] - \
+        bootstrap_counts(b, conv_weights=w, seed_weights=sw).acc[:, 0]
+    assert decide(paired)[0] == HOLDS
+    apart = bootstrap_counts(a, conv_weights=w, seed=1).acc[:, 0] - bootstrap_counts(b, conv_weights=w, seed=2).acc[:, 0]
+    assert decide(apart)[0] == INCONCLUSIVE
+    assert a.pairable_seeds == b.pairable_seeds == ("0", "1", "2")
+    assert ConversationCounts(b.data, b.ids, ["0", "0", "1"]).pairable_seeds is None
+    with pytest.raises(ValueError, match="seed weights"):
+        bootstrap_counts(a, conv_weights=w, seed_weights=sw[:, :2])
