@@ -453,12 +453,20 @@ def test_failing_trial_fails_alone_and_blocks_its_children(ray_local, project):
 
 
 def timed_trial(trial, paths, report):
-    """kv_only runs long; every other trial returns at once: when each ran shows the sweep's schedule."""
+    """kv_only runs until eagle3's children have finished (at most 120 s: the time a schedule in waves would make
+    them wait for it); every other trial returns at once. When each ran shows the sweep's schedule, whatever the
+    machine's load."""
     t0 = time.time()
+    done = paths.root / "done"
     if trial.variant == "kv_only":
-        time.sleep(25)
+        children = [done / "hybrid", done / "eagle3-continued"]
+        while time.time() < t0 + 120 and not all(c.exists() for c in children):
+            time.sleep(0.2)
     a = [0.5] * 7
-    return {"alpha": a, "acc": a, "mat": 2.0, "retention": 1.0, "t0": t0, "t1": time.time()}
+    row = {"alpha": a, "acc": a, "mat": 2.0, "retention": 1.0, "t0": t0, "t1": time.time()}
+    done.mkdir(exist_ok=True)
+    (done / trial.name).write_text("")
+    return row
 
 
 def test_children_start_when_their_parent_ends_not_after_the_whole_study(ray_local, project):
