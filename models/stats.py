@@ -57,8 +57,9 @@ class ConversationCounts:
         return ConversationCounts(self.data[:, [where[c] for c in ids]], list(ids), self.seed_ids)
 
     def by_seed(self) -> "ConversationCounts":
-        """The same counts with the seed axis in sorted seed order (as seed weights are indexed)."""
-        if not self.seed_ids:
+        """The same counts with the seed axis in sorted seed order (as seed weights are indexed); unchanged when
+        the seeds cannot be paired (unlabelled or repeated)."""
+        if self.pairable_seeds is None:
             return self
         order = sorted(range(self.seeds), key=lambda i: self.seed_ids[i])
         return ConversationCounts(self.data[order], self.ids, [self.seed_ids[i] for i in order])

@@ -37,7 +37,8 @@ class Merged:
     kept: list[str]
     e2e: str   # where metrics/e2e.json came from: "the workspace" (with committed rows of other studies), "as
     #            committed" or "none"
-    combined: list[str] = field(default_factory=list)   # studies whose committed rows on the same conversations were kept
+    # studies whose committed rows on the same conversations were kept
+    combined: list[str] = field(default_factory=list)
 
 
 def _study_metrics(folder: Path) -> dict[str, Path]:

@@ -101,9 +101,12 @@ def test_seeds_shared_by_two_settings_pair_the_difference():
     paired = bootstrap_counts(a, conv_weights=w, seed_weights=sw).acc[:, 0] - \
         bootstrap_counts(b, conv_weights=w, seed_weights=sw).acc[:, 0]
     assert decide(paired)[0] == HOLDS
-    apart = bootstrap_counts(a, conv_weights=w, seed=1).acc[:, 0] - bootstrap_counts(b, conv_weights=w, seed=2).acc[:, 0]
+    apart = bootstrap_counts(a, conv_weights=w, seed=1).acc[:, 0] - \
+        bootstrap_counts(b, conv_weights=w, seed=2).acc[:, 0]
     assert decide(apart)[0] == INCONCLUSIVE
     assert a.pairable_seeds == b.pairable_seeds == ("0", "1", "2")
     assert ConversationCounts(b.data, b.ids, ["0", "0", "1"]).pairable_seeds is None
+    unlabelled = ConversationCounts(b.data, b.ids, [None, "1", "0"])      # a row from before seeds were recorded
+    assert unlabelled.pairable_seeds is None and unlabelled.by_seed() is unlabelled
     with pytest.raises(ValueError, match="seed weights"):
         bootstrap_counts(a, conv_weights=w, seed_weights=sw[:, :2])
