@@ -46,7 +46,7 @@ from torch import nn
 from models.drafter import DraftModel, DrafterConfig, Injection, _compute_dtype
 from models.layers import MLP, KeyBlock, RMSNorm, attend, attend_block, expand_heads, head_map
 from models.rope import apply_rope
-from models.ttt import TTTOutput, _shift, check_inputs, layout, score_steps, teacher
+from models.ttt import TTTOutput, _shift, check_inputs, layout, score_teacher_rows, scored_teacher
 
 # per layer, the context (K, V) of each source, hidden first then kv: [b, Hsrc, S, hd] each, heads not expanded
 ContextKV = dict[int, list[tuple[torch.Tensor, torch.Tensor]]]
@@ -266,13 +266,16 @@ def block_unroll(drafter: BlockDrafter, input_ids: torch.Tensor, loss_mask: torc
                  target_kv: list[tuple[torch.Tensor, torch.Tensor]] | None = None,
                  target_logits: torch.Tensor | None = None, target_hidden: torch.Tensor | None = None,
                  lm_head_weight: torch.Tensor | None = None, position_ids: torch.Tensor | None = None,
-                 anchors: torch.Tensor | None = None, decay: float = 0.8, return_logits: bool = False) -> TTTOutput:
+                 anchors: torch.Tensor | None = None, decay: float = 0.8, return_logits: bool = False,
+                 target_top1: torch.Tensor | None = None, target_top1_logit: torch.Tensor | None = None) -> TTTOutput:
     """The parallel training pass of a block drafter over many anchors (see the module docstring).
 
     Inputs as `models.ttt.ttt_unroll`: input_ids, loss_mask, attention_mask, position_ids [B, T] (right padding
     takes the fused causal path; any other padding an explicit mask); features [B, T, n_features*d] (context
     hidden/both); target_kv per kv layer (K, V) [B, Hkv, T, hd] post-RoPE (kv/both); target_logits [B, T, V], or
-    target_hidden [B, T, d] with lm_head_weight [V, d]. anchors: bool [B, T] (None = every position).
+    target_hidden [B, T, d] with lm_head_weight [V, d], optionally with the target's top-1 id and logit [B, T]
+    (only the draft rows of the head are then multiplied, as in the compact TTT unroll); the teacher is computed
+    only at the rows that score something. anchors: bool [B, T] (None = every position).
     Returns a `TTTOutput` with steps = block_size - 1: step k is block position k+1, predicting token t+2+k,
     weighted decay**k in the loss. With return_logits, logits[k] is [B, T, V_draft], entry [b, t] anchor t's
     prediction at step k (zeros where t is not an anchor).
@@ -286,11 +289,12 @@ def block_unroll(drafter: BlockDrafter, input_ids: torch.Tensor, loss_mask: torc
         raise ValueError(f"block_unroll: context {cfg.context!r} needs target_kv")
     if anchors is not None and anchors.shape != (B, T):
         raise ValueError(f"block_unroll: anchors has shape {tuple(anchors.shape)}, expected {(B, T)}")
-    probs, tgt = teacher("block_unroll", drafter, target_logits, target_hidden, lm_head_weight)
+    if target_logits is None and (target_hidden is None or lm_head_weight is None):
+        raise ValueError("block_unroll: give target_logits, or target_hidden with lm_head_weight")
     attention_mask, position_ids, mask, scored = layout(loss_mask, attention_mask, position_ids)
-    Vd = probs.shape[-1]
-    probs = probs.reshape(B * T, Vd)
-    tgt = tgt.reshape(B * T)
+    probs, tgt_teach, where, usable = scored_teacher(drafter, scored, target_logits, target_hidden, lm_head_weight,
+                                                     target_top1, target_top1_logit)
+    Vd = cfg.draft_vocab_size
 
     every = anchors is None or bool(anchors.all())
     anchors = torch.ones(B, T, dtype=torch.bool, device=dev) if anchors is None else anchors.to(torch.bool)
@@ -309,18 +313,18 @@ def block_unroll(drafter: BlockDrafter, input_ids: torch.Tensor, loss_mask: torc
     h = drafter.forward_block(root_ids, root_pos, ctx)             # [R, n, d]
 
     logits_rows = drafter.head(h[:, 1:]) if return_logits else None   # [R, n-1, Vd]
-    valids, idxs, src, picked = [], [], [], []
+    valids, idxs, targets, picked = [], [], [], []
     for k in range(steps):
         # anchor t at step k (block position k+1) is scored against the target's logits at t+1+k
-        valid = _shift(scored, 2 + k, False) & (_shift(tgt.view(B, T), 1 + k, -1) >= 0) & anchors
+        valid = _shift(usable, 1 + k, False) & anchors
         idx = valid.reshape(-1).nonzero().squeeze(1)
         r = idx if row_of is None else row_of[idx]
         valids.append(valid.reshape(-1))
         idxs.append(idx)
-        src.append(idx + 1 + k)
+        targets.append(where[idx + 1 + k])
         picked.append(logits_rows[r, k] if return_logits else h[r, k + 1])
     z = torch.cat(picked) if return_logits else drafter.head(torch.cat(picked))
-    total, losses, counts = score_steps(z, probs, tgt, idxs, src, valids, decay, B * T)
+    total, losses, counts = score_teacher_rows(z, probs, tgt_teach, idxs, targets, torch.stack(valids), decay)
     all_logits = None
     if return_logits:
         full = logits_rows if rows is None else \

@@ -493,14 +493,8 @@ def _compact_unroll(drafter: Drafter, input_ids, loss_mask, attention_mask, feat
     attention_mask, position_ids, causal, scored = layout(loss_mask, attention_mask, position_ids)
 
     if score:
-        # the target's row r is a teacher row when token r+1 is scored: its distribution is that token's
-        teach = _shift(scored, 1, False).reshape(N).nonzero().squeeze(1)
-        probs, tgt_teach = teacher_rows(drafter, teach, target_logits, target_hidden, lm_head_weight,
-                                        target_top1, target_top1_logit)
-        tgt = torch.full((N,), -1, dtype=torch.long, device=dev)
-        tgt[teach] = tgt_teach
-        where = _inverse(teach, N)
-        usable = (tgt >= 0).view(B, T)
+        probs, tgt_teach, where, usable = scored_teacher(drafter, scored, target_logits, target_hidden,
+                                                         lm_head_weight, target_top1, target_top1_logit)
         # position t at step k is scored against the target's row t+1+k (which predicts token t+2+k)
         valid = torch.stack([_shift(usable, 1 + k, False) for k in range(steps)]).reshape(steps, N)
     else:
@@ -545,6 +539,34 @@ def _compact_unroll(drafter: Drafter, input_ids, loss_mask, attention_mask, feat
             out[idx] = t
             top1.append(out.view(B, T))
         return TTTOutput(loss=None, losses=[], counts=None, gate_means=gates, top1=top1)
+    total, losses, counts = score_teacher_rows(z, probs, tgt_teach, idxs, targets, valid, decay)
+    return TTTOutput(loss=total, losses=losses, counts=counts, gate_means=gates)
+
+
+def scored_teacher(drafter: Drafter, scored: torch.Tensor, target_logits, target_hidden, lm_head_weight,
+                   target_top1, target_top1_logit):
+    """The teacher at the rows that score something: (probs [M, V_draft], draft index of the argmax [M], where
+    [B*T] (flat position -> its teacher row, -1 if none), usable [B, T] (a teacher row whose argmax is in the
+    draft vocabulary)). The target's row r is a teacher row when token r+1 is scored (`scored` [B, T])."""
+    B, T = scored.shape
+    N = B * T
+    teach = _shift(scored, 1, False).reshape(N).nonzero().squeeze(1)
+    probs, tgt_teach = teacher_rows(drafter, teach, target_logits, target_hidden, lm_head_weight,
+                                    target_top1, target_top1_logit)
+    usable = torch.zeros(N, dtype=torch.bool, device=scored.device)
+    usable[teach] = tgt_teach >= 0
+    return probs, tgt_teach, _inverse(teach, N), usable.view(B, T)
+
+
+def score_teacher_rows(z: torch.Tensor, probs: torch.Tensor, tgt_teach: torch.Tensor, idxs: list[torch.Tensor],
+                       targets: list[torch.Tensor], valid: torch.Tensor, decay: float
+                       ) -> tuple[torch.Tensor, list[float], StepCounts]:
+    """Loss and counts of K steps whose scored rows are stacked in `z` (step k's rows: flat positions idxs[k],
+    scored against teacher rows targets[k] of `scored_teacher`'s probs): Σ_k decay^k * mean CE_k, the per-step mean
+    CE and the top-1 hits counted where `valid` [K, B*T]."""
+    dev = z.device
+    steps, N = valid.shape
+    sizes = [i.numel() for i in idxs]
     n = torch.tensor(sizes, device=dev).clamp(min=1)
     step_of_row = torch.repeat_interleave(torch.arange(steps, device=dev), torch.tensor(sizes, device=dev))
     per_step_weight = decay ** torch.arange(steps, device=dev, dtype=torch.float32) / n
@@ -558,5 +580,4 @@ def _compact_unroll(drafter: Drafter, input_ids, loss_mask, attention_mask, feat
         correct = torch.zeros(N, dtype=torch.bool, device=dev)
         correct[idx] = hit
         corrects.append(correct)
-    counts = step_counts(torch.stack(corrects), valid)
-    return TTTOutput(loss=total, losses=losses, counts=counts, gate_means=gates)
+    return total, losses, step_counts(torch.stack(corrects), valid)

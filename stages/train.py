@@ -511,7 +511,7 @@ def ttt_step(model, batch: TargetBatch, lm_head_weight: torch.Tensor, params: Tr
                             features=batch.features if model.config.uses_features else None,
                             target_kv=batch.kv if model.config.reads_kv else None,
                             target_hidden=batch.last_hidden, lm_head_weight=lm_head_weight, anchors=anchors,
-                            decay=params.step_decay)
+                            target_top1=batch.top1, target_top1_logit=batch.top1_logit, decay=params.step_decay)
     return ttt_unroll(model, batch.input_ids, batch.loss_mask, attention_mask=batch.attention_mask,
                       features=batch.features if model.config.uses_features else None,
                       target_kv=batch.kv if model.config.reads_kv else None,

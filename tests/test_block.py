@@ -164,6 +164,32 @@ def test_target_hidden_path_and_scoring_rule():
     assert float(a.loss) == pytest.approx(sum(0.5 ** k * l for k, l in enumerate(a.losses)), rel=1e-5)
 
 
+def test_cached_top1_teacher_equals_the_full_logits_teacher():
+    """With the target's full-vocabulary top-1 (the feature cache's) the block unroll multiplies only the draft rows
+    of the head, at the scored rows only: the same losses, counts and gradients as the teacher from full logits."""
+    tgt = tiny("llama")
+    ids, feats, kv, _ = capture(tgt, B=2, T=12)
+    hidden = tgt.capture(ids).last_hidden
+    W = tgt.lm_head.weight
+    top = torch.nn.functional.linear(hidden, W).max(-1)
+    mask = torch.zeros(2, 12)
+    mask[0, 5:], mask[1, 3:9] = 1, 1
+    runs = []
+    for teacher in (dict(target_logits=tgt.logits(hidden)),
+                    dict(target_hidden=hidden, lm_head_weight=W, target_top1=top.indices, target_top1_logit=top.values)):
+        d = make_drafter(tgt, variant="block", block_size=BS, context="both", draft_vocab_size=16)
+        d.set_vocab(torch.arange(0, 64, 4))
+        out = block_unroll(d, ids, mask, features=feats, target_kv=kv, decay=0.5,
+                           anchors=sample_anchors(mask, None, None, span=BS - 1), **teacher)
+        out.loss.backward()
+        runs.append((out, {n: p.grad.clone() for n, p in d.named_parameters() if p.grad is not None}))
+    (full, g_full), (cached, g_cached) = runs
+    assert 0 < sum(full.counts.valid) < sum(int(mask[:, 2:].sum()) for _ in range(BS - 1))   # some argmax outside
+    assert cached.counts == full.counts and cached.losses == pytest.approx(full.losses, abs=1e-6)
+    for n in g_full:
+        torch.testing.assert_close(g_cached[n], g_full[n], atol=1e-5, rtol=1e-4, msg=n)
+
+
 def test_blocks_the_loss_reaches_are_all_that_counts():
     """Anchors restricted to the blocks that hold a loss token (the trainer's and the evaluator's default) give the
     same losses, counts and gradients as every position as an anchor, and the scored logits are the same."""
