@@ -239,7 +239,7 @@ def loss_throughput(args, clock, results: dict) -> list[str]:
           f"{real} real tokens; anchor shape: seq 512, batch 1, {n_anchor} loss tokens (100%)")
     head = "  variant          chat: full -> compact (x)   vs anchor |  seq 512: full -> compact (x)   vs anchor"
     print(head if args.compare else head.replace("full -> compact (x)", "compact"))
-    parts = []
+    parts, eagle3_chat = [], None
     for name in args.variants:
         torch.manual_seed(0)
         cfg = DrafterConfig(draft_vocab_size=args.draft_vocab, **VARIANTS[name], **SMOLLM2)
@@ -256,13 +256,34 @@ def loss_throughput(args, clock, results: dict) -> list[str]:
             rates.append(new)
         print(f"  {name:15s}  " + "  |  ".join(cols), flush=True)
         if name == "eagle3":
+            eagle3_chat = rates[0]
             parts.append(f"eagle3 loss tok/s chat {rates[0]:.0f} ({rates[0] / anchors[0]:.2f}x the anchor timed "
                          f"here), seq512 {rates[1]:.0f} ({rates[1] / anchors[1]:.2f}x)")
+    if args.blocks:
+        parts.append(block_loss_throughput(args, chat, n_chat, anchors[0], clock, eagle3_chat))
     if args.epoch_chats and "eagle3" in args.variants:
         parts.append(bucketed_epoch(args, clock))
     if "eagle3" in args.variants:
         parts.append(eval_throughput(args, chat, clock))
     return parts
+
+
+def block_loss_throughput(args, chat: dict, n_chat: int, anchor: float, clock, eagle3: float | None) -> str:
+    """Loss tokens/s of the block drafters on the chat batch as the trainer runs them (the blocks the loss reaches as
+    anchors, the cached top-1 teacher): the study's block trial against its EAGLE-3 one, per context and depth."""
+    anchors = sample_anchors(chat["loss_mask"], chat["attention_mask"], None, span=args.block_size - 1)
+    out = []
+    for context in args.blocks:
+        for depth in args.block_depths:
+            torch.manual_seed(0)
+            drafter = build_drafter(block_config(context, depth, args.block_size, args.draft_vocab)).train()
+            opt = torch.optim.AdamW([p for p in drafter.parameters() if p.requires_grad], lr=1e-4, fused=True)
+            rate = n_chat / median_step(lambda: block_unroll(drafter, anchors=anchors, **chat).loss, drafter, opt,  # noqa: B023
+                                        args.repeats, clock)
+            vs = f"   {eagle3 / rate:4.2f}x eagle3's step" if eagle3 else ""
+            print(f"  block/{context:6s} d{depth}   chat {rate:5.0f}   {rate / anchor:4.2f}x anchor{vs}", flush=True)
+            out.append(f"{context}/d{depth} {rate:.0f}")
+    return f"block{args.block_size} loss tok/s chat " + " ".join(out)
 
 
 @torch.no_grad()
