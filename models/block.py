@@ -26,10 +26,11 @@ Training (`block_unroll`) runs many anchors per sequence in one pass and never b
 score matrix: the queries form T rows of B (row t = anchor t's block, [batch, H, T, B, hd]); for block offset j
 the queries of all anchors are one [batch, H, T, hd] set whose context part is exactly causal over the T context
 keys (query row t sees keys 0..t), and row t's own B keys are shared by its B queries
-(`models.layers.attend_block`). On CPU that is fused: the context through PyTorch's flash kernel once per j, the
-block's own B x B scores per anchor as one batched matmul, merged by log-sum-exp, forward and backward; what it
-keeps for backward is linear in B. With an anchor subset, projections, MLP and head run on the anchor rows only;
-queries and block keys are scattered into the T rows for the attention call alone.
+(`models.layers.attend_block`). On CPU that is fused: the context through PyTorch's flash kernel once per source
+(all T*B queries under a row-causal mask), the block's own B x B scores per anchor as one batched matmul, merged by
+log-sum-exp, forward and backward; what it keeps for backward is linear in B. With an anchor subset, projections,
+MLP and head run on the anchor rows only; queries and block keys are scattered into the T rows for the attention
+call alone.
 Loss: at block position k+1 of anchor t, the soft cross-entropy against the target's next-token distribution on
 the draft vocabulary for token t+2+k (the target's logits at t+1+k), scored exactly where `ttt_unroll` scores
 step k at t (the token exists, is loss-masked and not padding, the target's argmax is in the draft vocabulary) and

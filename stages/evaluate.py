@@ -67,7 +67,8 @@ def stepwise_masks(model, batch, lm_head_weight: torch.Tensor, steps: int,
         out = block_unroll(model, batch.input_ids, batch.loss_mask, attention_mask=batch.attention_mask,
                            features=batch.features if model.config.uses_features else None,
                            target_kv=batch.kv if model.config.reads_kv else None, anchors=anchors,
-                           target_hidden=batch.last_hidden, lm_head_weight=lm_head_weight, return_logits=True)
+                           target_hidden=batch.last_hidden, lm_head_weight=lm_head_weight, return_logits=True,
+                           target_top1=top, target_top1_logit=getattr(batch, "top1_logit", None))
         out.top1 = [z.argmax(-1) for z in out.logits[:steps]]
     else:
         out = ttt_unroll(model, batch.input_ids, batch.loss_mask, attention_mask=batch.attention_mask,
