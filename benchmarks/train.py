@@ -278,8 +278,8 @@ def block_loss_throughput(args, chat: dict, n_chat: int, anchor: float, clock, e
             torch.manual_seed(0)
             drafter = build_drafter(block_config(context, depth, args.block_size, args.draft_vocab)).train()
             opt = torch.optim.AdamW([p for p in drafter.parameters() if p.requires_grad], lr=1e-4, fused=True)
-            rate = n_chat / median_step(lambda: block_unroll(drafter, anchors=anchors, **chat).loss, drafter, opt,  # noqa: B023
-                                        args.repeats, clock)
+            loss = lambda d=drafter: block_unroll(d, anchors=anchors, **chat).loss     # noqa: E731
+            rate = n_chat / median_step(loss, drafter, opt, args.repeats, clock)
             vs = f"   {eagle3 / rate:4.2f}x eagle3's step" if eagle3 else ""
             print(f"  block/{context:6s} d{depth}   chat {rate:5.0f}   {rate / anchor:4.2f}x anchor{vs}", flush=True)
             out.append(f"{context}/d{depth} {rate:.0f}")

@@ -175,8 +175,8 @@ def test_cached_top1_teacher_equals_the_full_logits_teacher():
     mask = torch.zeros(2, 12)
     mask[0, 5:], mask[1, 3:9] = 1, 1
     runs = []
-    for teacher in (dict(target_logits=tgt.logits(hidden)),
-                    dict(target_hidden=hidden, lm_head_weight=W, target_top1=top.indices, target_top1_logit=top.values)):
+    cached = dict(target_hidden=hidden, lm_head_weight=W, target_top1=top.indices, target_top1_logit=top.values)
+    for teacher in (dict(target_logits=tgt.logits(hidden)), cached):
         d = make_drafter(tgt, variant="block", block_size=BS, context="both", draft_vocab_size=16)
         d.set_vocab(torch.arange(0, 64, 4))
         out = block_unroll(d, ids, mask, features=feats, target_kv=kv, decay=0.5,
