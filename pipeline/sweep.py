@@ -42,6 +42,7 @@ from rich.console import Console
 from rich.table import Table
 
 from pipeline.config import Config, ConfigError, resolve_key, with_values
+from pipeline.cpu_share import CpuShare
 from pipeline.fingerprint import HashCache, data_hashes, fingerprint
 from pipeline.trial import (CKPT_CHILDREN, CONTINUED, Trial, TrialFn, adopt_finished, base_row, cached_result,
                             evaluate_runs, execute, failed_row, finished_elsewhere, is_continued, json_safe,
@@ -521,9 +522,19 @@ def _worker_report(metrics: dict[str, float], step: int | None = None) -> None:
 
 
 def _trainable(config: dict, trials: dict[str, Trial], paths: Paths, trial_fn: TrialFn) -> None:
-    """The Tune function trainable: one trial, its row sent back as the last result."""
+    """The Tune function trainable: one trial, its row sent back as the last result. While it is the only trial
+    holding CPUs it computes on all of them (`pipeline.cpu_share`), checked as it reports."""
     trial = trials[config["trial"]]
-    row = execute(trial, paths, _worker_report, trial_fn)
+    share = CpuShare(trial.config.ray.cpus_per_trial, trial.config.ray.gpus_per_trial)
+
+    def report(metrics: dict[str, float], step: int | None = None) -> None:
+        threads = share.update()
+        if threads is not None:
+            why = "no other trial holds a CPU" if threads > share.own else "another trial holds CPUs again"
+            print(f"{trial.name}: {threads} torch thread(s) ({why})", flush=True)
+        _worker_report(metrics, step)
+
+    row = execute(trial, paths, report, trial_fn)
     config_json = trial.run_dir(paths) / "config.json"
     ckpt_config = None
     if row["status"] == "ok" and config_json.is_file():

@@ -591,3 +591,38 @@ def test_killed_sweep_resumes_without_redoing_finished_trials(ray_local, project
     assert result.exit_code == 0
     assert result.skipped == ["kv_only-d3"] and sorted(result.ran) == ["kv_only-d1", "kv_only-d2"]
     assert _calls(project).count("kv_only-d3") == 1
+
+
+def test_a_trial_alone_on_the_node_computes_on_every_cpu(monkeypatch):
+    """The idle CPUs are lent only while no other trial holds any, only on a single CPU-only node, and taken back
+    at the next check once another trial starts."""
+    import ray
+    import torch
+
+    from pipeline.cpu_share import CpuShare, threads_for
+
+    assert threads_for(1, total=2, available=1, nodes=1) == 2          # alone: both cores
+    assert threads_for(1, total=2, available=0, nodes=1) == 1          # another trial holds the other core
+    assert threads_for(1, total=4, available=1, nodes=1) == 1          # two others
+    assert threads_for(2, total=8, available=6, nodes=1) == 8
+    assert threads_for(1, total=32, available=31, nodes=2) == 1        # a cluster: the free CPUs may be elsewhere
+    assert threads_for(1, total=2, available=1, nodes=1, gpus=1) == 1  # a GPU trial keeps its share
+
+    before = torch.get_num_threads()
+    free = {"CPU": 1.0}
+    monkeypatch.setattr(ray, "is_initialized", lambda: True)
+    monkeypatch.setattr(ray, "nodes", lambda: [{"Alive": True}])
+    monkeypatch.setattr(ray, "cluster_resources", lambda: {"CPU": 2.0})
+    monkeypatch.setattr(ray, "available_resources", lambda: dict(free))
+    try:
+        share = CpuShare(1, every_s=0.0)
+        assert torch.get_num_threads() == 1
+        assert share.update() == 2 and torch.get_num_threads() == 2
+        assert share.update() is None                                   # unchanged: nothing to do
+        free["CPU"] = 0.0                                               # a child trial started
+        assert share.update() == 1 and torch.get_num_threads() == 1
+        slow = CpuShare(1, every_s=3600.0)
+        free["CPU"] = 1.0
+        assert slow.update() is None and torch.get_num_threads() == 1   # checks are spaced
+    finally:
+        torch.set_num_threads(before)
