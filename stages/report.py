@@ -340,6 +340,21 @@ def e2e_baselines(rows: list[dict]) -> str:
     return text.strip()
 
 
+def e2e_check_note(rows: list[dict]) -> str:
+    """What *lossless* and *exact match* mean for the rows decoded in bf16 (empty when every row is fp32, where
+    lossless is exact equality)."""
+    low = [r for r in rows if r.get("status", "ok") == "ok" and r.get("dtype") not in (None, "float32")]
+    if not low:
+        return ""
+    tol = max(float(r.get("tie_tolerance") or 0.0) for r in low)
+    gap = max(float(r.get("max_tie_gap") or 0.0) for r in low)
+    return (f"Decoded in {low[0]['dtype']}: *exact match* is the share of prompts whose output equals plain greedy "
+            f"decoding token for token; *lossless* means every other one departs from it only at a near tie of "
+            f"the target (top-2 logit gap ≤ {tol:g}; the largest here {gap:.3f}). The reason: a verification pass "
+            f"over several tokens rounds differently from one token at a time. In fp32 (`e2e.dtype=float32`) "
+            f"lossless requires exact equality.")
+
+
 # -- figures ---------------------------------------------------------------------------------------------------
 
 def _figure(params: ReportParams, nrows: int = 1, ncols: int = 1):
@@ -558,9 +573,8 @@ def run(params: ReportParams, context: dict, paths: Paths, report: Report) -> No
             elsewhere = {s for g in e2e for s in g.studies if s != "scale" and s in res.names}
             shown = [g for g in e2e if "scale" in g.studies or not (g.studies & elsewhere)]
             md += [scale_table(settings or [], shown, paper, context.get("data_sizes") or {}, params.level), ""]
-            baselines = e2e_baselines(res.e2e_rows or [])
-            if baselines:
-                md += [baselines, ""]
+            md += [x for text in (e2e_baselines(res.e2e_rows or []), e2e_check_note(res.e2e_rows or []))
+                   if text for x in (text, "")]
             note = _paper_notes(paper, ("tau_paper_tree",), matched)
             md += [x for x in (note, (paper or {}).get("note", "").strip()) if x]
             md.append("")
@@ -576,6 +590,9 @@ def run(params: ReportParams, context: dict, paths: Paths, report: Report) -> No
                 md += ["End to end (lossless tree decoding, the same run as the scale study's):", "",
                        scale_table(decoded, own, None, context.get("data_sizes") or {}, params.level,
                                    labels=lambda f: label(Setting(name, f, {}, [], 0, [], {})), pool=settings), ""]
+                checks = e2e_check_note([r for r in res.e2e_rows or [] if r.get("study") == name])
+                if checks:
+                    md += [checks, ""]
                 note = _paper_notes(paper, ("alpha_0", "alpha_3", "alpha_6", "retention", "mat"), matched)
                 if note:
                     md += [note, ""]
@@ -629,4 +646,4 @@ def run(params: ReportParams, context: dict, paths: Paths, report: Report) -> No
             "report/claims_holding": float(sum(v.verdict == "holds" for v in verdicts))})
 
 
-__all__ = ["MISSING", "ReportParams", "Verdict", "e2e_baselines", "load_paper_numbers", "run"]
+__all__ = ["MISSING", "ReportParams", "Verdict", "e2e_baselines", "e2e_check_note", "load_paper_numbers", "run"]

@@ -11,7 +11,7 @@ import pytest
 
 from stages.common import Paths, StageError
 from stages.findings import FAILS, HOLDS, INCONCLUSIVE, MISSING, findings
-from stages.report import ReportParams, e2e_baselines, run
+from stages.report import ReportParams, e2e_baselines, e2e_check_note, run
 from stages.results import collect, scale_order
 
 sys.path.insert(0, str(Path(__file__).parent / "fixtures" / "report"))
@@ -250,6 +250,14 @@ def test_e2e_baselines_say_when_drafters_ran_in_int8():
     assert native.startswith("Baselines in the same run: plain greedy `generate` 40.0 tokens/s")
     assert "speculation off 1.10x" in native and "int8" not in native
     assert e2e_baselines([row | {"drafter_weights": "int8"}]).endswith("(e2e.drafter_weights=int8).")
+
+
+def test_e2e_check_note_says_what_lossless_means_in_bf16():
+    bf16 = {"dtype": "bfloat16", "tie_tolerance": 0.25, "max_tie_gap": 0.125, "exact_match": 0.5, "lossless": True}
+    note = e2e_check_note([bf16, bf16 | {"max_tie_gap": 0.0625}])
+    assert note.startswith("Decoded in bfloat16: *exact match*") and "gap ≤ 0.25; the largest here 0.125" in note
+    assert e2e_check_note([bf16 | {"dtype": "float32"}]) == ""          # fp32: lossless is exact equality
+    assert e2e_check_note([bf16 | {"status": "failed"}]) == ""
 
 
 def test_extra_swept_values_split_settings(tmp_path):
