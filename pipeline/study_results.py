@@ -128,11 +128,12 @@ def conversations(row: dict) -> dict:
 
 def same_data_rows(committed: list, fresh: list) -> list:
     """The committed rows to keep beside a workspace's rows of the same study: those of trials the workspace did
-    not run, on the same conversations as some workspace row. Rows without data hashes, or on other
-    conversations, are not comparable with the workspace's and go (the study is replaced)."""
+    not run (a trial is its name and seed: a grid cut to one seed names its trials without it), on the same
+    conversations as some workspace row. Rows without data hashes, or on other conversations, are not comparable
+    with the workspace's and go (the study is replaced)."""
     fresh_data = [conversations(r) for r in fresh if isinstance(r, dict) and conversations(r)]
-    names = {r.get("trial") for r in fresh if isinstance(r, dict)}
-    return [r for r in committed if isinstance(r, dict) and r.get("trial") not in names
+    ran = {(r.get("trial"), r.get("seed")) for r in fresh if isinstance(r, dict)}
+    return [r for r in committed if isinstance(r, dict) and (r.get("trial"), r.get("seed")) not in ran
             and conversations(r) and conversations(r) in fresh_data]
 
 

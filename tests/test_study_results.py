@@ -83,6 +83,10 @@ def test_a_study_run_in_parts_combines_its_rows_on_the_same_data(folders):
     rows = json.loads((staging / "metrics" / "stepwise" / "depth.json").read_text())
     assert [r["trial"] for r in rows] == ["eagle3", "eagle3-s1", "eagle3-s2"] and rows[1]["new"]
     assert json.loads((staging / "scratch" / "timings.json").read_text())["sweep:depth"] == 8400.0
+    # a grid cut to one seed names its trials without the seed: the same name on another seed is another trial
+    (ws / "metrics" / "stepwise" / "depth.json").write_text(json.dumps([{"trial": "eagle3", "seed": 1, "data": same}]))
+    rows = json.loads((merge(ws, results, staging).root / "metrics" / "stepwise" / "depth.json").read_text())
+    assert [(r["trial"], r.get("seed")) for r in rows] == [("eagle3", None), ("eagle3-s1", None), ("eagle3", 1)]
     (ws / "metrics" / "stepwise" / "depth.json").write_text(json.dumps([{"trial": "x", "data": other}]))
     merged = merge(ws, results, staging)
     assert merged.combined == ["depth"] and [r["trial"] for r in json.loads(
