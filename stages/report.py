@@ -292,7 +292,9 @@ def scale_table(settings: list[Setting], e2e: list[E2EGroup], paper: dict | None
         rec = {"drafter": labels(fields) if labels else variant_name(fields) + (
                    f", {fields['init']} init" if fields.get("variant") in ("hybrid", "cross_only")
                    and fields.get("init") else ""),
-               "data scale": scale_cell(fields.get("scale")), "seeds": _seeds(s) if s else "–",
+               "data scale": scale_cell(fields.get("scale")),
+               # step-wise seeds, and how many of them were decoded when not all (the e2e columns' seeds)
+               "seeds": (_seeds(s) + (f", {g.n_seeds} decoded" if g and g.n_seeds != s.n else "")) if s else "–",
                "step MAT": ("failed" if s.n == 0 else cell(s, "step_mat", level)) if s else "–",
                "Δ step MAT vs baseline": _vs_cell(s, baseline_for(s, pool or settings), "step_mat", level)
                if s else "–",

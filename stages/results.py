@@ -249,6 +249,7 @@ class E2EGroup:
     lossless: bool | None
     n_rows: int
     studies: set[str] = field(default_factory=set)    # the studies its drafters came from (none: a baseline)
+    n_seeds: int = 1                                   # the training seeds decoded
 
 
 def tree_kind(row: dict) -> str:
@@ -314,7 +315,7 @@ def e2e_groups(rows: list[dict], trial_settings: dict[tuple, dict], resampler: R
         lossless = [r.get("lossless") for r in group if r.get("lossless") is not None]
         out.append(E2EGroup(dict(zip(SETTING_KEYS, key)), sorted({str(r.get("trial")) for r in group}), kinds,
                             all(lossless) if lossless else None, len(group),
-                            {str(r["study"]) for r in group if r.get("study")}))
+                            {str(r["study"]) for r in group if r.get("study")}, len({r.get("seed") for r in group})))
     return out
 
 
