@@ -47,7 +47,8 @@ from torch import nn
 from models.drafter import DraftModel, DrafterConfig, Injection, _compute_dtype
 from models.layers import MLP, KeyBlock, RMSNorm, attend, attend_block, expand_heads, head_map
 from models.rope import apply_rope
-from models.ttt import TTTOutput, _shift, check_inputs, layout, score_teacher_rows, scored_teacher
+from models.ttt import (TTTOutput, _inverse, _shift, check_inputs, layout, require_teacher, score_teacher_rows,
+                        scored_teacher)
 
 # per layer, the context (K, V) of each source, hidden first then kv: [b, Hsrc, S, hd] each, heads not expanded
 ContextKV = dict[int, list[tuple[torch.Tensor, torch.Tensor]]]
@@ -290,8 +291,7 @@ def block_unroll(drafter: BlockDrafter, input_ids: torch.Tensor, loss_mask: torc
         raise ValueError(f"block_unroll: context {cfg.context!r} needs target_kv")
     if anchors is not None and anchors.shape != (B, T):
         raise ValueError(f"block_unroll: anchors has shape {tuple(anchors.shape)}, expected {(B, T)}")
-    if target_logits is None and (target_hidden is None or lm_head_weight is None):
-        raise ValueError("block_unroll: give target_logits, or target_hidden with lm_head_weight")
+    require_teacher("block_unroll", target_logits, target_hidden, lm_head_weight)
     attention_mask, position_ids, mask, scored = layout(loss_mask, attention_mask, position_ids)
     probs, tgt_teach, where, usable = scored_teacher(drafter, scored, target_logits, target_hidden, lm_head_weight,
                                                      target_top1, target_top1_logit)
@@ -300,10 +300,7 @@ def block_unroll(drafter: BlockDrafter, input_ids: torch.Tensor, loss_mask: torc
     every = anchors is None or bool(anchors.all())
     anchors = torch.ones(B, T, dtype=torch.bool, device=dev) if anchors is None else anchors.to(torch.bool)
     rows = None if every else anchors.reshape(-1).nonzero().squeeze(1)
-    row_of = None
-    if rows is not None:          # flat position -> anchor row
-        row_of = torch.full((B * T,), -1, dtype=torch.long, device=dev)
-        row_of[rows] = torch.arange(rows.numel(), device=dev)
+    row_of = None if rows is None else _inverse(rows, B * T)      # flat position -> anchor row
 
     hidden = drafter.context_hidden(features) if cfg.uses_features else None
     ctx = _UnrollContext(drafter, B, T, rows, hidden, target_kv if cfg.reads_kv else None, position_ids, mask)

@@ -191,11 +191,16 @@ def teacher(who: str, drafter, target_logits: torch.Tensor | None, target_hidden
             lm_head_weight: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
     """The target's distribution over the draft vocabulary and its argmax's draft index (`target_distribution`),
     from its logits or from its last hidden state and head."""
+    require_teacher(who, target_logits, target_hidden, lm_head_weight)
     if target_logits is not None:
         return target_distribution(target_logits, drafter)
-    if target_hidden is None or lm_head_weight is None:
-        raise ValueError(f"{who}: give target_logits, or target_hidden with lm_head_weight")
     return target_distribution_from_hidden(target_hidden, lm_head_weight, drafter)
+
+
+def require_teacher(who: str, target_logits, target_hidden, lm_head_weight) -> None:
+    """Refuse a call that gives neither the target's logits nor its last hidden state with the head."""
+    if target_logits is None and (target_hidden is None or lm_head_weight is None):
+        raise ValueError(f"{who}: give target_logits, or target_hidden with lm_head_weight")
 
 
 def layout(loss_mask: torch.Tensor, attention_mask: torch.Tensor | None, position_ids: torch.Tensor | None):
@@ -488,8 +493,8 @@ def _compact_unroll(drafter: Drafter, input_ids, loss_mask, attention_mask, feat
     dev = input_ids.device
     cfg = drafter.config
     check_inputs("ttt_unroll", drafter, input_ids, loss_mask, features)
-    if score and target_logits is None and (target_hidden is None or lm_head_weight is None):
-        raise ValueError("ttt_unroll: give target_logits, or target_hidden with lm_head_weight")
+    if score:
+        require_teacher("ttt_unroll", target_logits, target_hidden, lm_head_weight)
     attention_mask, position_ids, causal, scored = layout(loss_mask, attention_mask, position_ids)
 
     if score:
