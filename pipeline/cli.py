@@ -280,7 +280,10 @@ def study_results(workspace: Path = typer.Argument(..., help="A study workspace,
 def sweep(overrides: Optional[list[str]] = OverridesArg, profile: Optional[str] = ProfileOpt, root: Path = RootOpt,
           study: Optional[str] = typer.Option(None, help="Run this study of the profile (or name an ad-hoc sweep)."),
           dry_run: bool = typer.Option(False, "--dry-run", help="Show the grid of resolved trials, which are done "
-                                       "already, and the training time left; run nothing.")):
+                                       "already, and the training time left; run nothing."),
+          only: Optional[list[str]] = typer.Option(None, "--only", help="Run the part of the plan with these "
+                                                   "settings, KEY=V1,V2 (repeatable; e.g. train.scale=small), with "
+                                                   "the parents and controls it needs; names stay the whole plan's.")):
     """Run a grid (KEY=V1,V2 ...) or a study on Ray Tune: train then evaluate every trial."""
     def body():
         from pipeline import sweep as runner
@@ -292,6 +295,8 @@ def sweep(overrides: Optional[list[str]] = OverridesArg, profile: Optional[str] 
         cfg = load_config(profile, [], root=rootp)
         axes = parse_overrides(overrides or [])
         trials = runner.plan(cfg, axes, study)
+        if only:
+            trials = runner.plan_part(trials, parse_overrides(only))
         cache = os.environ.get("KVSHOT_MODEL_CACHE")
         paths = Paths(root=rootp, cache=Path(cache) if cache else None)
         if dry_run:

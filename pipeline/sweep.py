@@ -215,6 +215,28 @@ def plan(cfg: Config, axes: dict[str, list[Any]] | None = None, study: str | Non
     return sorted(trials, key=lambda t: t.depends_on is not None)
 
 
+def plan_part(trials: list[Trial], only: dict[str, list[Any]]) -> list[Trial]:
+    """The part of a plan whose settings take the `only` values (KEY -> allowed values), with the parent and the
+    compute-matched control of each ckpt child kept; names stay the whole plan's. A study run in parts (one data
+    scale now, the other later) so names each trial as the whole study does, and its parts combine by name."""
+    def setting(cfg: Config, key: str) -> Any:
+        node: Any = cfg
+        for part in key.split("."):
+            node = getattr(node, part)
+        return node
+
+    only = _resolve_axes(only)
+    kept = {t.name for t in trials if all(setting(t.config, k) in vals for k, vals in only.items())}
+    if not kept:
+        want = " ".join(f"{k}={','.join(map(str, v))}" for k, v in only.items())
+        raise ConfigError(f"--only {want}: no trial of the plan has these settings (`--dry-run` without it lists them)")
+    parents = {t.depends_on for t in trials if t.name in kept and t.depends_on}
+    controls = {t.name for t in trials if is_continued(t.config) and t.depends_on in parents
+                and any(k.depends_on == t.depends_on and k.variant in CKPT_CHILDREN for k in trials if k.name in kept)}
+    kept |= parents | controls
+    return [t for t in trials if t.name in kept]
+
+
 def _naming_keys(all_values: list[dict[str, Any]]) -> list[str]:
     """Keys (in first-seen order) whose value differs between trials or is missing from some."""
     keys: list[str] = []

@@ -142,6 +142,24 @@ def test_continued_control_once_per_parent_and_shared_across_studies():
     assert direct[0].config.drafter.init == "ckpt"
 
 
+def test_part_of_a_plan_keeps_its_names_parents_and_controls():
+    """`--only`: a study run in parts names each trial as the whole study does, so the parts combine by name; a
+    ckpt child keeps the parent it loads and the control it is compared with."""
+    from pipeline.sweep import plan_part
+
+    trials = plan(load_config("default"), study="scale")
+    small = plan_part(trials, parse_overrides(["train.scale=small"]))
+    assert {t.name for t in small} == {"eagle3-small", "hybrid-small", "eagle3-small-continued"}
+    assert [t.name for t in small] == [t.name for t in trials if t.name in {x.name for x in small}]
+    hybrid = plan_part(trials, parse_overrides(["variant=hybrid", "scale=large"]))
+    assert {t.name for t in hybrid} == {"eagle3-large", "hybrid-large", "eagle3-large-continued"}
+    controls = plan_part(trials, parse_overrides(["variant=eagle3", "init=continued"]))
+    assert {t.name for t in controls} == {"eagle3-small", "eagle3-large", "eagle3-small-continued",
+                                          "eagle3-large-continued"}
+    with pytest.raises(ConfigError, match=r"--only train.scale=huge: no trial of the plan"):
+        plan_part(trials, parse_overrides(["train.scale=huge"]))
+
+
 def test_bad_plans_are_one_line_errors():
     with pytest.raises(ConfigError, match="nothing to sweep"):
         plan(smoke())
