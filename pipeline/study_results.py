@@ -86,7 +86,7 @@ def merge(workspace: Path, results: Path, staging: Path) -> Merged:
                 rows = kept + rows
         write_json_atomic(staging / "metrics" / "stepwise" / path.name, rows)
     e2e_from = _merge_e2e(workspace / "metrics" / "e2e.json", results / "metrics" / "e2e.json",
-                          staging / "metrics" / "e2e.json")
+                          staging / "metrics" / "e2e.json", set(combined))
     for ws_rel, kept_name in _JSON_RECORDS.items():
         kept_record, ws_record = _read_record(results / kept_name), _read_record(workspace / ws_rel)
         record = {**kept_record, **ws_record}
@@ -100,10 +100,11 @@ def merge(workspace: Path, results: Path, staging: Path) -> Merged:
     return Merged(staging, sorted(ws_metrics), sorted(set(committed) - set(ws_metrics)), e2e_from, combined)
 
 
-def _merge_e2e(ws_e2e: Path, kept_e2e: Path, out: Path) -> str:
+def _merge_e2e(ws_e2e: Path, kept_e2e: Path, out: Path, combined: set[str] = frozenset()) -> str:
     """metrics/e2e.json: the workspace's rows replace the committed rows of the studies it decoded; the committed
-    rows of other studies stay (the scale and block studies decoded in different workspaces). Says where the rows
-    came from."""
+    rows of other studies stay (the scale and block studies decoded in different workspaces), and so do those of
+    a study run in parts (`combined`: its committed step-wise rows were kept) for the trials the workspace did not
+    decode. Says where the rows came from."""
     if not ws_e2e.is_file():
         if not kept_e2e.is_file():
             return "none"
@@ -111,8 +112,11 @@ def _merge_e2e(ws_e2e: Path, kept_e2e: Path, out: Path) -> str:
         return "as committed"
     fresh = _read_rows(ws_e2e)
     decoded = {r.get("study") for r in fresh if isinstance(r, dict)}
+    ran = {(r.get("study"), r.get("trial"), r.get("seed")) for r in fresh if isinstance(r, dict)}
     kept = [r for r in (_read_rows(kept_e2e) if kept_e2e.is_file() else [])
-            if isinstance(r, dict) and r.get("study") and r.get("study") not in decoded]
+            if isinstance(r, dict) and r.get("study")
+            and (r["study"] not in decoded or (r["study"] in combined and (r["study"], r.get("trial"), r.get("seed"))
+                                               not in ran))]
     write_json_atomic(out, kept + fresh)
     others = sorted({r["study"] for r in kept})
     return "the workspace" + (f", with the committed rows of {', '.join(others)}" if others else "")

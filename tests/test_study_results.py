@@ -120,6 +120,28 @@ def test_e2e_rows_merge_by_study(folders):
     assert merge(ws, results, staging).e2e == "none" and not (staging / "metrics" / "e2e.json").exists()
 
 
+def test_e2e_rows_of_a_study_run_in_parts_combine_like_its_step_wise_rows(folders):
+    """The block study decoded block-kv in one workspace and block-both in another, on the same conversations: its
+    committed end-to-end rows of the trials the workspace did not decode stay; on other conversations they go."""
+    results, ws, staging = folders
+    same = {"regenerated/sharegpt": "sha256:a"}
+    (results / "metrics" / "stepwise" / "block.json").write_text(json.dumps(
+        [{"trial": "block-kv", "seed": 0, "data": same}, {"trial": "block-hidden", "seed": 0, "data": same}]))
+    committed = [{"study": "block", "trial": "block-kv", "seed": 0, "committed": True},
+                 {"study": "block", "trial": "block-hidden", "seed": 0, "committed": True}]
+    (results / "metrics" / "e2e.json").write_text(json.dumps(committed))
+    (ws / "metrics" / "stepwise" / "block.json").write_text(json.dumps(
+        [{"trial": "block-both", "seed": 0, "data": same}, {"trial": "block-kv", "seed": 0, "data": same}]))
+    fresh = [{"study": "block", "trial": "block-both", "seed": 0}, {"study": "block", "trial": "block-kv", "seed": 0}]
+    (ws / "metrics" / "e2e.json").write_text(json.dumps(fresh))
+    merge(ws, results, staging)
+    assert json.loads((staging / "metrics" / "e2e.json").read_text()) == [committed[1], *fresh]
+    (ws / "metrics" / "stepwise" / "block.json").write_text(json.dumps(
+        [{"trial": "block-both", "seed": 0, "data": {"regenerated/sharegpt": "sha256:b"}}]))
+    merge(ws, results, staging)
+    assert json.loads((staging / "metrics" / "e2e.json").read_text()) == fresh
+
+
 def test_install_swaps_the_folder_contents(folders):
     results, ws, staging = folders
     merge(ws, results, staging)
