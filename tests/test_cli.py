@@ -35,12 +35,16 @@ def test_sweep_dry_run_of_a_study_includes_its_baseline():
     out = run("sweep", "--study", "depth", "--dry-run", "--profile", "default")
     assert out.returncode == 0, out.stderr
     assert "eagle3" in out.stdout and "kv_only-d4" in out.stdout
+    part = run("sweep", "--study", "scale", "--only", "train.scale=large", "--dry-run", "--profile", "study")
+    assert part.returncode == 0, part.stderr
+    assert "3 trials" in part.stdout and "hybrid-large" in part.stdout and "small" not in part.stdout
 
 
 @pytest.mark.parametrize("args, needle", [
     (("sweep", "bogus=1", "--dry-run"), "unknown key 'bogus' (`kvshot keys` lists all)"),
     (("train", "dpeth=2"), "unknown key 'dpeth'; did you mean drafter.depth?"),
     (("sweep", "depth=two", "--dry-run"), "drafter.depth"),
+    (("sweep", "--study", "depth", "--only", "depth=3", "--dry-run"), "--only drafter.depth=3: no trial of the plan"),
     (("prepare", "--profile", "nope"), "unknown profile 'nope'"),
     (("train", "variant=medusa"), "drafter.variant"),
 ])
