@@ -37,9 +37,10 @@ _STATE: dict = {}
 UNTIMED = object()   # returned by a command body whose run is not the stage's work (a dry run, nothing left to do)
 
 
-def _guarded(fn: Callable[[], object], command: str | None = None) -> object:
+def _guarded(fn: Callable[[], object], command: str | Callable[[], str] | None = None) -> object:
     """Run a command body, turning known user-facing errors into one line and exit code 2; a stage command's
-    wall time is recorded in its workspace for the report's provenance."""
+    wall time is recorded in its workspace for the report's provenance, under `command` (or the name it returns
+    once the body has run)."""
     import time
 
     from models.target import TargetLoadError
@@ -52,7 +53,7 @@ def _guarded(fn: Callable[[], object], command: str | None = None) -> object:
             return None
         if command and "root" in _STATE:
             from pipeline.provenance import record_time
-            record_time(_STATE["root"], command, time.perf_counter() - start)
+            record_time(_STATE["root"], command() if callable(command) else command, time.perf_counter() - start)
         return out
     except (ConfigError, StageError, TargetLoadError) as exc:
         _fail(str(exc).splitlines()[0] if str(exc) else type(exc).__name__)
@@ -147,11 +148,14 @@ def e2e(overrides: Optional[list[str]] = OverridesArg, profile: Optional[str] = 
         from stages import e2e as stage
         cfg, paths = _setup(profile, overrides, root)
         run_dirs = _e2e_run_dirs(cfg, paths)
+        studies.update(Path(d).parent.name for d in run_dirs)
         with stage_run(cfg, "e2e", paths) as report:
             rows = stage.run(cfg.e2e, run_dirs, paths, report, target=cfg.target)
         write_e2e_summary(paths, rows)
         _print_e2e(rows)
-    _guarded(body, "e2e")
+    studies: set[str] = set()
+    # timed per study (e2e:scale), so the decoding of a study run in parts adds up like its sweeps
+    _guarded(body, lambda: "e2e:" + "+".join(sorted(studies)) if studies else "e2e")
 
 
 def _print_e2e(rows: list[dict]) -> None:

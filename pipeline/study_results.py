@@ -91,8 +91,7 @@ def merge(workspace: Path, results: Path, staging: Path) -> Merged:
         kept_record, ws_record = _read_record(results / kept_name), _read_record(workspace / ws_rel)
         record = {**kept_record, **ws_record}
         if ws_rel == TIMINGS:   # a study run in parts took the time of its parts
-            for name in combined:
-                key = f"sweep:{name}"
+            for key in (f"{command}:{name}" for name in combined for command in ("sweep", "e2e")):
                 if key in kept_record and key in ws_record:
                     record[key] = round(kept_record[key] + ws_record[key], 1)
         if record:

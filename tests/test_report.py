@@ -20,7 +20,8 @@ import make_fixtures as fx  # noqa: E402
 STUDIES = ["injection", "depth", "hybrid", "scale"]
 CONTEXT = {"profile": "default", "target": "embedded", "data_sizes": {"small": 300, "large": 1200},
            "git_commit": "0123abc", "date": "2026-05-01T10:00:00", "hardware": "2 CPU cores",
-           "wall_time_s": 754.0, "stage_times_s": {"sweep:depth": 600.0, "prepare": 54.0}, "studies": STUDIES,
+           "wall_time_s": 754.0, "stage_times_s": {"sweep:depth": 600.0, "prepare": 54.0, "e2e:scale": 100.0},
+           "studies": STUDIES,
            "stage_machines": {"sweep:depth": "2 CPU cores, native bf16"}}
 PNG = b"\x89PNG\r\n\x1a\n"
 FAST = ReportParams(bootstrap_draws=400)
@@ -144,12 +145,13 @@ def test_failed_missing_and_provenance(full):
                                                                              "RuntimeError: CUDA out of memory"]
     assert "**missing**: no `metrics/stepwise/control.json`" in section(text, "Study: control")
     prov = section(text, "Provenance")
-    for cell in ("0123abc", "2 CPU cores", "754 s (12.6 min)", "prepare 54 s, sweep:depth 600 s",
+    for cell in ("0123abc", "2 CPU cores", "754 s (12.6 min)", "e2e:scale 100 s, prepare 54 s, sweep:depth 600 s",
                  "small: 300, large: 1200", "arXiv 2604.26412", "95% percentile bootstrap, 400 draws"):
         assert cell in prov
     assert re.search(r"input `metrics/e2e.json`\s*\| sha256 [0-9a-f]{12}", prov)
-    assert table_row(prov, "depth")[1:] == ["15", "0123abc", "10.0 min (sweep)", "2 CPU cores, native bf16"]
-    assert table_row(prov, "hybrid")[3:] == ["12.0 min (sum of trials)", "not recorded"]
+    assert table_row(prov, "depth")[1:] == ["15", "0123abc", "10.0 min (sweep)", "–", "2 CPU cores, native bf16"]
+    assert table_row(prov, "hybrid")[3:] == ["12.0 min (sum of trials)", "–", "not recorded"]
+    assert table_row(prov, "scale")[4] == "1.7 min"   # its end-to-end decoding, timed apart
     assert seen == [{"report/settings": 23.0, "report/failed_trials": 1.0, "report/claims_holding": 5.0}]
 
 
@@ -250,6 +252,17 @@ def test_e2e_baselines_say_when_drafters_ran_in_int8():
     assert native.startswith("Baselines in the same run: plain greedy `generate` 40.0 tokens/s")
     assert "speculation off 1.10x" in native and "int8" not in native
     assert e2e_baselines([row | {"drafter_weights": "int8"}]).endswith("(e2e.drafter_weights=int8).")
+
+
+def test_e2e_baselines_of_a_study_decoded_in_two_runs_are_stated_per_run():
+    first = {"baseline_tokens_per_s": 20.0, "spec_off_tokens_per_s": 22.0}
+    second = {"baseline_tokens_per_s": 30.0, "spec_off_tokens_per_s": 30.0}
+    text = e2e_baselines([first | {"trial": "block-kv"}, first | {"trial": "block-hidden"},
+                          second | {"trial": "block-both"}])
+    assert text == ("Baselines in the run of block-hidden, block-kv: plain greedy `generate` 20.0 tokens/s (the "
+                    "speedup reference); our loop with speculation off 1.10x. Baselines in the run of block-both: "
+                    "plain greedy `generate` 30.0 tokens/s (the speedup reference); our loop with speculation off "
+                    "1.00x.")
 
 
 def test_e2e_check_note_says_what_lossless_means_in_bf16():

@@ -56,6 +56,8 @@ def test_repro_builds_every_artifact(smoke):
     drafter_rows = [r for r in e2e if r.get("variant") in ("eagle3", "hybrid")]
     assert drafter_rows and all(r["lossless"] for r in drafter_rows)
     assert all(r["speedup"] > 0 and 0 <= r["exact_match"] <= 1 for r in drafter_rows)
+    decoded = "+".join(sorted({r["study"] for r in e2e if r.get("study")}))   # the decoding is timed per study
+    assert json.loads((ws / "scratch" / "timings.json").read_text())[f"e2e:{decoded}"] > 0
     printed = first.stdout + first.stderr                  # `kvshot e2e` prints what it measured
     assert "lossless tree speculative decoding" in printed and "Baselines in the same run" in printed
 

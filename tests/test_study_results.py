@@ -78,11 +78,14 @@ def test_a_study_run_in_parts_combines_its_rows_on_the_same_data(folders):
     fresh = [{"trial": "eagle3-s1", "data": same, "new": True}, {"trial": "eagle3-s2", "data": same}]
     (ws / "metrics" / "stepwise" / "depth.json").write_text(json.dumps(fresh))
     record_time(ws, "sweep:depth", 100.0)
+    record_time(ws, "e2e:depth", 30.0)
+    (results / "timings.json").write_text(json.dumps({"sweep:depth": 8300.0, "e2e:depth": 600.0, "e2e:scale": 9.0}))
     merged = merge(ws, results, staging)
     assert merged.combined == ["depth"]
     rows = json.loads((staging / "metrics" / "stepwise" / "depth.json").read_text())
     assert [r["trial"] for r in rows] == ["eagle3", "eagle3-s1", "eagle3-s2"] and rows[1]["new"]
-    assert json.loads((staging / "scratch" / "timings.json").read_text())["sweep:depth"] == 8400.0
+    times = json.loads((staging / "scratch" / "timings.json").read_text())
+    assert (times["sweep:depth"], times["e2e:depth"], times["e2e:scale"]) == (8400.0, 630.0, 9.0)
     # a grid cut to one seed names its trials without the seed: the same name on another seed is another trial
     (ws / "metrics" / "stepwise" / "depth.json").write_text(json.dumps([{"trial": "eagle3", "seed": 1, "data": same}]))
     rows = json.loads((merge(ws, results, staging).root / "metrics" / "stepwise" / "depth.json").read_text())
