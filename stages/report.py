@@ -503,6 +503,19 @@ def _stage_times(times: dict) -> str:
     return ", ".join(f"{k} {v:.0f} s" if isinstance(v, (int, float)) else f"{k} {v}" for k, v in sorted(times.items()))
 
 
+def study_entries(record: dict, command: str, study: str) -> list:
+    """What a stage record (timings, machines) holds for `command` (sweep, e2e) of `study`: its whole run's entry
+    and those of its parts (`sweep:STUDY --only KEY=V`, run in one workspace one after the other)."""
+    key = f"{command}:{study}"
+    return [v for k, v in record.items() if k == key or k.startswith(key + " --only ")]
+
+
+def study_time(times: dict, command: str, study: str) -> float | None:
+    """Seconds `command` took for `study`, its parts summed; None when none is recorded."""
+    parts = [v for v in study_entries(times, command, study) if isinstance(v, (int, float))]
+    return round(sum(parts), 1) if parts else None
+
+
 def _study_provenance(res: Results, context: dict) -> pd.DataFrame:
     """Per study: trials, the commits its rows came from, its wall time (the sweep command's, else the sum of its
     trials' own), the time its end-to-end decoding took (when it decoded alone) and the machine its sweep ran on
@@ -515,16 +528,17 @@ def _study_provenance(res: Results, context: dict) -> pd.DataFrame:
         if rows is None:
             continue
         commits = sorted({str(r.get("git_commit")) for r in rows if r.get("git_commit")})
-        wall = times.get(f"sweep:{name}")
+        wall = study_time(times, "sweep", name)
         trained = [r.get("wall_s") for r in rows if isinstance(r.get("wall_s"), (int, float)) and not r.get("cached")
                    and not r.get("reused_from")]
         wall_text = f"{wall / 60:.1f} min (sweep)" if isinstance(wall, (int, float)) else \
             f"{sum(trained) / 60:.1f} min (sum of trials)" if trained else "unknown"
-        decoding = times.get(f"e2e:{name}")
+        decoding = study_time(times, "e2e", name)
         records.append({"study": name, "trials": str(len(rows)), "commits": ", ".join(commits) or "unknown",
                         "wall time": wall_text,
                         "end to end": f"{decoding / 60:.1f} min" if isinstance(decoding, (int, float)) else "–",
-                        "machine": str(machines.get(f"sweep:{name}", "not recorded"))})
+                        "machine": "; ".join(sorted(set(map(str, study_entries(machines, "sweep", name)))))
+                        or "not recorded"})
     return pd.DataFrame.from_records(records, columns=["study", "trials", "commits", "wall time", "end to end",
                                                        "machine"])
 
@@ -593,7 +607,7 @@ def run(params: ReportParams, context: dict, paths: Paths, report: Report) -> No
             shown = [g for g in e2e if "scale" in g.studies or not (g.studies & elsewhere)]
             md += [scale_table(settings or [], shown, paper, context.get("data_sizes") or {}, params.level), ""]
             rows = [r for r in res.e2e_rows or [] if r.get("study") not in elsewhere]
-            md += [x for text in (e2e_baselines(rows), e2e_check_note(res.e2e_rows or [])) if text for x in (text, "")]
+            md += [x for text in (e2e_baselines(rows), e2e_check_note(rows)) if text for x in (text, "")]
             note = _paper_notes(paper, ("tau_paper_tree",), matched)
             md += [x for x in (note, (paper or {}).get("note", "").strip()) if x]
             md.append("")

@@ -324,3 +324,28 @@ def test_settings_on_the_same_seeds_are_paired_by_seed():
     assert hyb.counts.pairable_seeds == cont.counts.pairable_seeds == ("0", "1", "2")
     assert contrast(hyb, cont, "acc_0").verdict == HOLDS
     assert contrast(hyb, other, "acc_0").verdict == INCONCLUSIVE     # seeds 3-5: not the same runs' seeds
+
+
+def test_a_study_run_in_parts_sums_its_parts_times_and_machines():
+    from stages.report import study_entries, study_time
+
+    times = {"sweep:scale --only train.scale=small": 600.0, "sweep:scale --only train.scale=large": 900.0,
+             "sweep:scalex": 5.0, "sweep:block": 100.0, "e2e:scale": 60.0}
+    assert study_time(times, "sweep", "scale") == 1500.0      # not sweep:scalex, another study
+    assert study_time(times, "sweep", "block") == 100.0 and study_time(times, "e2e", "scale") == 60.0
+    assert study_time(times, "sweep", "depth") is None
+    assert study_entries({"sweep:scale": "A", "sweep:scale --only train.seed=1": "B"}, "sweep", "scale") == ["A", "B"]
+
+
+def test_the_scale_sections_tie_note_reads_the_scale_decodings_only(tmp_path):
+    def edit(name, rows):
+        if name != "e2e":
+            return rows
+        bf16 = {"dtype": "bfloat16", "tie_tolerance": 0.25, "max_tie_gap": 0.125}
+        rows = [r | bf16 | {"study": "scale"} for r in rows]
+        return rows + [rows[0] | {"study": "depth", "max_tie_gap": 0.5}]   # another study's decoding, a wider gap
+
+    paths = project(tmp_path, edit=edit)
+    run(FAST, CONTEXT, paths, lambda *a, **k: None)
+    scale = section((paths.reports / "README.md").read_text(), "Scale study")
+    assert "the largest here 0.125" in scale and "0.500" not in scale
