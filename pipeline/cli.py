@@ -313,7 +313,12 @@ def sweep(overrides: Optional[list[str]] = OverridesArg, profile: Optional[str] 
             _fail(f"{result.failed} of {len(trials)} trials failed: {', '.join(result.failed_names)}")
         # a sweep that only adopted finished trials keeps the wall time of the one that trained them
         return None if result.ran else UNTIMED
-    _guarded(body, f"sweep:{study or 'adhoc'}")
+    def timed_as() -> str:
+        """`sweep:STUDY`, or for a part `sweep:STUDY --only KEY=V1,V2`: parts run in one workspace add up."""
+        from pipeline.config import parse_overrides
+        parts = sorted(parse_overrides(only or []).items())
+        return f"sweep:{study or 'adhoc'}" + "".join(f" --only {k}={','.join(map(str, vs))}" for k, vs in parts)
+    _guarded(body, timed_as)
 
 
 def write_curves(paths, study: str) -> None:

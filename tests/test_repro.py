@@ -108,8 +108,10 @@ def test_sweeps_track_in_mlflow_and_skip_finished_trials(smoke):
     assert "sweep adhoc: 1 of 4 trials to train, about" in grown_dry.stdout, grown_dry.stdout
     # neither adopting every trial nor a dry run is the study's wall time: the report keeps the training run's
     assert timings()["sweep:adhoc"] == trained_in
-    grown = kvshot("sweep", "depth=2,3,4,5", "--root", str(ws), env=env, cwd=ws)
+    # the new trial as a part of the grid: timed under its own key, beside the whole grid's
+    grown = kvshot("sweep", "depth=2,3,4,5", "--only", "depth=5", "--root", str(ws), env=env, cwd=ws)
     assert grown.returncode == 0 and "1 ran" in grown.stdout, grown.stdout[-2000:]
+    assert timings()["sweep:adhoc"] == trained_in and timings()["sweep:adhoc --only drafter.depth=5"] > 0
 
     db = sqlite3.connect(ws / "mlflow.db")
     exp = db.execute("select experiment_id from experiments where name like '%adhoc'").fetchone()[0]
