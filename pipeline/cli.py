@@ -314,10 +314,10 @@ def sweep(overrides: Optional[list[str]] = OverridesArg, profile: Optional[str] 
         # a sweep that only adopted finished trials keeps the wall time of the one that trained them
         return None if result.ran else UNTIMED
     def timed_as() -> str:
-        """`sweep:STUDY`, or for a part `sweep:STUDY --only KEY=V1,V2`: parts run in one workspace add up."""
+        """A part (--only) is timed under its own key, so parts run in one workspace add up (stages.report)."""
         from pipeline.config import parse_overrides
-        parts = sorted(parse_overrides(only or []).items())
-        return f"sweep:{study or 'adhoc'}" + "".join(f" --only {k}={','.join(map(str, vs))}" for k, vs in parts)
+        from stages.report import study_key
+        return study_key("sweep", study or "adhoc", parse_overrides(only or []))
     _guarded(body, timed_as)
 
 

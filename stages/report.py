@@ -503,10 +503,17 @@ def _stage_times(times: dict) -> str:
     return ", ".join(f"{k} {v:.0f} s" if isinstance(v, (int, float)) else f"{k} {v}" for k, v in sorted(times.items()))
 
 
+def study_key(command: str, study: str, parts: dict | None = None) -> str:
+    """The stage record key of `command` (sweep, e2e) for `study`, or for a part of it run with `--only`
+    (parts: resolved KEY -> values): `sweep:STUDY --only KEY=V1,V2`."""
+    only = sorted((parts or {}).items())
+    return f"{command}:{study}" + "".join(f" --only {k}={','.join(map(str, vs))}" for k, vs in only)
+
+
 def study_entries(record: dict, command: str, study: str) -> list:
     """What a stage record (timings, machines) holds for `command` (sweep, e2e) of `study`: its whole run's entry
     and those of its parts (`sweep:STUDY --only KEY=V`, run in one workspace one after the other)."""
-    key = f"{command}:{study}"
+    key = study_key(command, study)
     return [v for k, v in record.items() if k == key or k.startswith(key + " --only ")]
 
 
