@@ -213,6 +213,17 @@ def decide(diff_draws: np.ndarray, level: float = 0.95) -> tuple[str, tuple[floa
     return INCONCLUSIVE, (lo, hi)
 
 
-def ratio_draws(num: np.ndarray, den: np.ndarray, weights: np.ndarray) -> np.ndarray:
-    """Resampled Σnum / Σden over units (prompts) with weights [R, n] (τ = Σ accepted+1 / Σ rounds, tokens/s)."""
-    return _ratio(weights @ np.asarray(num, dtype=np.float64), weights @ np.asarray(den, dtype=np.float64))
+def ratio_draws(num: np.ndarray, den: np.ndarray, weights: np.ndarray,
+                seed_weights: np.ndarray | None = None) -> np.ndarray:
+    """Resampled Σnum / Σden over units (prompts) with weights [R, n] (τ = Σ accepted+1 / Σ rounds, tokens/s).
+    With num, den of shape [seeds, n] the sums run over seeds too, each draw taking the seeds by `seed_weights`
+    [R, seeds] (drawn with replacement, shared with any setting run on the same seeds)."""
+    num, den = np.asarray(num, dtype=np.float64), np.asarray(den, dtype=np.float64)
+    if num.ndim == 1:
+        return _ratio(weights @ num, weights @ den)
+    if seed_weights is None or seed_weights.shape != (weights.shape[0], num.shape[0]):
+        raise ValueError(f"seed weights of shape {getattr(seed_weights, 'shape', None)} for {num.shape[0]} seeds "
+                         f"and {weights.shape[0]} draws")
+    per_seed = lambda x: weights @ x.T                   # noqa: E731  [R, seeds]
+    return _ratio(np.einsum("rs,rs->r", seed_weights, per_seed(num)),
+                  np.einsum("rs,rs->r", seed_weights, per_seed(den)))

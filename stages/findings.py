@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 
@@ -243,36 +244,26 @@ def _rel(a: np.ndarray | None, b: np.ndarray | None) -> np.ndarray | None:
         return a / b - 1.0
 
 
-def claim_e(studies: dict, e2e: list[E2EGroup] | None, scales: list[str], ratio: float, level: float) -> Verdict:
-    is_hyb = lambda g: g.fields.get("variant") == "hybrid" and g.fields.get("init") in ("ckpt", None)  # noqa: E731
-    is_base = lambda g: continued_eagle3(g)  # noqa: E731
-    found = None
-    for scale in sorted({g.fields.get("scale") for g in e2e or []},
-                        key=lambda s: scales.index(s) if s in scales else -1, reverse=True):
-        h, e = _e2e_pick(e2e, is_hyb, scale), _e2e_pick(e2e, is_base, scale)
-        if h and e:
-            found = (scale, h, e)
-            break
-    if found is None:
-        return Verdict("E", CLAIMS["E"], MISSING, "needs end-to-end rows of the hybrid and EAGLE-3 continued at one "
-                                                  "data scale")
-    scale, h, e = found
+def _e_at_scale(studies: dict, scale: Any, h: E2EGroup, e: E2EGroup, ratio: float,
+                level: float) -> tuple[str, str, bool]:
+    """E at one data scale: (verdict, evidence, whether there was a step-wise gain to shrink)."""
     kind = "paper" if "paper" in h.kinds and "paper" in e.kinds else "tuned"
     if kind not in h.kinds or kind not in e.kinds:
-        return Verdict("E", CLAIMS["E"], MISSING, "no τ on a common tree for the hybrid and EAGLE-3 continued")
+        return MISSING, f"scale {scale}: no τ on a common tree for the hybrid and EAGLE-3 continued", False
     kh, ke = h.kinds[kind], e.kinds[kind]
     hs = [s for s in _ok(studies.get("scale")) if s.fields.get("variant") == "hybrid"
           and s.fields.get("init") in ("ckpt", None) and s.fields.get("scale") == scale]
     es = [s for s in _ok(studies.get("scale")) if continued_eagle3(s) and s.fields.get("scale") == scale]
     if not hs or not es:
-        return Verdict("E", CLAIMS["E"], MISSING, f"no step-wise MAT of the hybrid and EAGLE-3 continued at scale "
-                                                  f"{scale} in the scale study")
+        return MISSING, (f"scale {scale}: no step-wise MAT of the hybrid and EAGLE-3 continued in the scale "
+                         f"study"), False
     sh, se = hs[0], es[0]
     step = contrast(sh, se, "step_mat", level)
     rel_step = sh.value("step_mat") / se.value("step_mat") - 1
     rel_e2e = kh.point["tau"] / ke.point["tau"] - 1
     rs, re_ = _rel(sh.resampled("step_mat"), se.resampled("step_mat")), _rel(kh.tau, ke.tau)
-    evidence = (f"scale {scale}: step MAT {fmt(sh.value('step_mat'))} vs {fmt(se.value('step_mat'))} = "
+    seeds = f", {h.n_seeds} seeds decoded" if h.n_seeds > 1 else ""
+    evidence = (f"scale {scale}{seeds}: step MAT {fmt(sh.value('step_mat'))} vs {fmt(se.value('step_mat'))} = "
                 f"{rel_step:+.1%} {pct_ci(rs, level)}; "
                 f"τ at the {kind} tree {fmt(kh.point['tau'], 2)} {fmt_ci(*kh.ci('tau', level), 2)} vs "
                 f"{fmt(ke.point['tau'], 2)} {fmt_ci(*ke.ci('tau', level), 2)} = {rel_e2e:+.1%} {pct_ci(re_, level)}")
@@ -281,12 +272,36 @@ def claim_e(studies: dict, e2e: list[E2EGroup] | None, scales: list[str], ratio:
                      f"{fmt(e.kinds['tuned'].point['speedup'], 2)}x")
     if step.verdict != HOLDS:
         why = "no clear step-wise gain to shrink" if step.verdict == INCONCLUSIVE else "no step-wise gain"
-        return Verdict("E", CLAIMS["E"], step.verdict, f"{evidence} ({why})")
+        return step.verdict, f"{evidence} ({why})", False
     if rs is None or re_ is None:
-        return Verdict("E", CLAIMS["E"], INCONCLUSIVE, f"{evidence} (no interval for τ: rows without per-prompt data)")
-    verdict, ci = decide(ratio * rs - re_, level)       # independent draws: conversations vs prompts
-    return Verdict("E", CLAIMS["E"], verdict,
-                   f"{evidence}; {ratio:g}× the step gain minus the τ gain {pct_ci(ratio * rs - re_, level)}")
+        return INCONCLUSIVE, f"{evidence} (no interval for τ: rows without per-prompt data)", True
+    # step and τ draws share the seed draws where both have several seeds (the same drafters); conversations
+    # and prompts are drawn independently
+    verdict, ci = decide(ratio * rs - re_, level)
+    return verdict, f"{evidence}; {ratio:g}× the step gain minus the τ gain {pct_ci(ratio * rs - re_, level)}", True
+
+
+def claim_e(studies: dict, e2e: list[E2EGroup] | None, scales: list[str], ratio: float, level: float) -> Verdict:
+    """Decided at every data scale where both drafters were decoded and the hybrid has a step-wise gain to shrink;
+    scales that disagree leave it inconclusive. With no such scale, the largest decoded one says why."""
+    is_hyb = lambda g: g.fields.get("variant") == "hybrid" and g.fields.get("init") in ("ckpt", None)  # noqa: E731
+    is_base = lambda g: continued_eagle3(g)  # noqa: E731
+    found = []
+    for scale in sorted({g.fields.get("scale") for g in e2e or []},
+                        key=lambda s: scales.index(s) if s in scales else -1, reverse=True):
+        h, e = _e2e_pick(e2e, is_hyb, scale), _e2e_pick(e2e, is_base, scale)
+        if h and e:
+            found.append(_e_at_scale(studies, scale, h, e, ratio, level))
+    if not found:
+        return Verdict("E", CLAIMS["E"], MISSING, "needs end-to-end rows of the hybrid and EAGLE-3 continued at one "
+                                                  "data scale")
+    evidence = " — ".join(text for _, text, _ in found)
+    tested = {v for v, _, gain in found if gain}
+    if not tested:
+        return Verdict("E", CLAIMS["E"], found[0][0], evidence)
+    if len(tested) > 1:
+        return Verdict("E", CLAIMS["E"], INCONCLUSIVE, evidence + " (the scales disagree)")
+    return Verdict("E", CLAIMS["E"], tested.pop(), evidence)
 
 
 def claim_b(studies: dict, e2e: list[E2EGroup] | None, level: float) -> Verdict:

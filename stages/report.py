@@ -250,6 +250,9 @@ def _matched(paper: dict | None, fields_list: list[dict]) -> set[int]:
 
 
 def _tree(t: Any) -> str:
+    """(3, 2, 5); one tree per decoded seed when their tuned trees differ: (2, 3, 5) / (4, 2, 8)."""
+    if isinstance(t, list) and t and all(isinstance(x, list) for x in t):
+        return " / ".join(_tree(x) for x in t)
     return "(" + ", ".join(str(x) for x in t) + ")" if isinstance(t, list) else "n/a"
 
 

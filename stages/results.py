@@ -264,31 +264,57 @@ E2E_POINT = ("tau", "speedup", "tokens_per_s", "baseline_tokens_per_s", "draft_t
 
 
 def _e2e_kind(rows: list[dict], resampler: Resampler) -> E2EKind:
+    """One tree kind of a setting from its rows, one per decoded seed. With per-prompt data on the same prompts,
+    τ and speedup are pooled over seeds and prompts (Σ accepted / Σ rounds, Σ tokens / Σ seconds), and their
+    draws resample both: prompts by one weight matrix per prompt set, seeds by one per set of seed labels, so
+    two settings decoded on the same prompts and seeds are paired (as the step-wise draws are)."""
     point = {k: float(np.nanmean([_num(r.get(k)) for r in rows])) if any(r.get(k) is not None for r in rows)
              else math.nan for k in E2E_POINT}
-    kind = E2EKind(rows[0].get("tree"), point)
+    trees = [r.get("tree") for r in rows]
+    kind = E2EKind(trees[0] if all(t == trees[0] for t in trees) else trees, point)
     per = [r.get("per_prompt") for r in rows]
-    if len(rows) == 1 and isinstance(per[0], dict) and per[0].get("rounds"):
-        p = per[0]
-        ids = tuple(str(i) for i in p.get("ids") or range(len(p["rounds"])))
-        w = resampler.weights(ids, "prompts")
-        kind.tau = ratio_draws(p["accepted"], p["rounds"], w)
-        if p.get("greedy_seconds"):
-            rate = ratio_draws(p["tokens"], p["seconds"], w)
-            base = ratio_draws(p["greedy_tokens"], p["greedy_seconds"], w)
-            with np.errstate(divide="ignore", invalid="ignore"):
-                kind.speedup = rate / base
+    if not all(isinstance(p, dict) and p.get("rounds") for p in per):
+        return kind
+    ids = [tuple(str(i) for i in p.get("ids") or range(len(p["rounds"]))) for p in per]
+    seeds = [str(r.get("seed")) for r in rows]
+    if len(set(ids)) != 1 or len(set(seeds)) != len(rows):
+        return kind     # seeds decoded on different prompts (or one seed twice): point values only
+
+    order = sorted(range(len(rows)), key=lambda i: seeds[i])     # the seed weights' columns: sorted labels
+
+    def stack(name: str) -> np.ndarray:      # [seeds, prompts]
+        return np.asarray([per[i][name] for i in order], dtype=np.float64)
+
+    w = resampler.weights(ids[0], "prompts")
+    sw = resampler.weights(tuple(sorted(seeds)), "seeds") if len(rows) > 1 else np.ones((w.shape[0], 1))
+    kind.tau = ratio_draws(stack("accepted"), stack("rounds"), w, sw)
+    kind.point["tau"] = float(stack("accepted").sum() / stack("rounds").sum())
+    if all(p.get("greedy_seconds") for p in per):
+        rate = ratio_draws(stack("tokens"), stack("seconds"), w, sw)
+        base = ratio_draws(stack("greedy_tokens"), stack("greedy_seconds"), w, sw)
+        with np.errstate(divide="ignore", invalid="ignore"):
+            kind.speedup = rate / base
+        if len(rows) > 1:
+            kind.point["speedup"] = float((stack("tokens").sum() / stack("seconds").sum())
+                                          / (stack("greedy_tokens").sum() / stack("greedy_seconds").sum()))
     return kind
 
 
 def _fastest(rows: list[dict]) -> list[dict]:
-    """Rows of several trees for one kind: those of the fastest tree (as the e2e stage picks it)."""
-    by_tree: dict[str, list[dict]] = {}
+    """Rows of several trees for one kind: per decoded seed, those of its fastest tree (as the e2e stage picks
+    it; each seed's drafter keeps its own tuned tree)."""
+    by_seed: dict[str, list[dict]] = {}
     for r in rows:
-        by_tree.setdefault(json.dumps(r.get("tree")), []).append(r)
-    speed = {t: np.nanmean([_num(r.get("speedup")) for r in rs]) for t, rs in by_tree.items()}
-    best = max(sorted(by_tree), key=lambda t: speed[t] if not math.isnan(speed[t]) else -1.0, default=None)
-    return by_tree[best] if best is not None else []
+        by_seed.setdefault(str(r.get("seed")), []).append(r)
+    out = []
+    for seed in sorted(by_seed):
+        by_tree: dict[str, list[dict]] = {}
+        for r in by_seed[seed]:
+            by_tree.setdefault(json.dumps(r.get("tree")), []).append(r)
+        speed = {t: np.nanmean([_num(r.get("speedup")) for r in rs]) for t, rs in by_tree.items()}
+        best = max(sorted(by_tree), key=lambda t: speed[t] if not math.isnan(speed[t]) else -1.0, default=None)
+        out += by_tree[best] if best is not None else []
+    return out
 
 
 def e2e_groups(rows: list[dict], trial_settings: dict[tuple, dict], resampler: Resampler) -> list[E2EGroup]:

@@ -179,8 +179,10 @@ def test_every_claim_holds_on_the_paper_like_fixture(full):
     # the hybrid's gain was the extra training: EAGLE-3 continued is as good
     ("H", bent(hybrid={"eagle3-continued": (0.665, 0.514)}), INCONCLUSIVE),
     ("H", bent(hybrid={"hybrid-ckpt": (0.60, 0.44)}), FAILS),
-    # no step-wise gain at the decoded scale: nothing to shrink
-    ("E", bent(scale={"hybrid-large": (0.642 + 0.03, 0.474 + 0.03)}), INCONCLUSIVE),
+    # no step-wise gain at either decoded scale: nothing to shrink
+    ("E", bent(scale={"hybrid-large": (0.642 + 0.03, 0.474 + 0.03), "hybrid-small": (0.642, 0.474)}), INCONCLUSIVE),
+    # none at the large scale, but the small one has a gain to test: decided there
+    ("E", bent(scale={"hybrid-large": (0.642 + 0.03, 0.474 + 0.03)}), HOLDS),
 ])
 def test_verdicts_follow_the_intervals(tmp_path, claim, curves, expected):
     got = verdicts(project(tmp_path, curves=curves))
@@ -191,6 +193,60 @@ def test_e_fails_when_the_end_to_end_gain_is_as_large(tmp_path):
     e2e = [(t, tree, kind, tau + (0.6 if t.startswith("hybrid") and kind == "paper" else 0.0), s, sh)
            for t, tree, kind, tau, s, sh in fx.E2E]
     assert verdicts(project(tmp_path, e2e=e2e))["E"] == FAILS
+
+
+def _seeded_e2e(shift: float) -> list[dict]:
+    """Tuned-tree rows of EAGLE-3 continued and the hybrid at scale small, seeds 0-2: the seeds far apart in τ,
+    the hybrid `shift` above its own seed's continued on every prompt, and each seed at its own tree."""
+    rows = []
+    for seed, tau in ((0, 1.5), (1, 2.5), (2, 2.0)):
+        base = fx.e2e_rows([(f"eagle3-continued-small", [4, 2, 8], "tuned", tau, 1.2, 0.3)])[0]
+        for trial, variant, init, add in (("eagle3-small-continued", "eagle3", "continued", 0.0),
+                                          ("hybrid-small", "hybrid", "ckpt", shift)):
+            row = copy.deepcopy(base)
+            pp = row["per_prompt"]
+            pp["accepted"] = [a + add * r for a, r in zip(pp["accepted"], pp["rounds"])]
+            row.update(trial=f"{trial}-s{seed}", variant=variant, init=init, seed=seed, tree=[2 + seed, 2, 8],
+                       tau=sum(pp["accepted"]) / sum(pp["rounds"]), study="scale")
+            rows.append(row)
+    return rows
+
+
+def test_e2e_seeds_are_pooled_and_paired_by_seed():
+    """Several decoded seeds of one setting: τ pooled over seeds and prompts, each seed at its own tuned tree, and
+    the draws of two settings on the same seeds paired (a constant per-prompt gain reads as exactly that gain,
+    although the seeds alone differ by 1.0 in τ)."""
+    from stages.results import Resampler, e2e_groups
+    rows = _seeded_e2e(0.1)
+    groups = {g.fields["variant"]: g for g in e2e_groups(rows, {}, Resampler(400))}
+    h, c = groups["hybrid"].kinds["tuned"], groups["eagle3"].kinds["tuned"]
+    assert groups["hybrid"].n_seeds == 3 and h.tree == [[2, 2, 8], [3, 2, 8], [4, 2, 8]]
+    cont = [r for r in rows if r["variant"] == "eagle3"]
+    pooled = sum(sum(r["per_prompt"]["accepted"]) for r in cont) / sum(sum(r["per_prompt"]["rounds"]) for r in cont)
+    assert c.point["tau"] == pytest.approx(pooled)
+    assert h.tau is not None and c.speedup is not None
+    assert h.tau - c.tau == pytest.approx(0.1)             # paired: the seeds' spread cancels
+    assert (c.tau.max() - c.tau.min()) > 0.3                 # while each side alone spans the seeds
+    # the same rows in another order give the same draws
+    again = {g.fields["variant"]: g for g in e2e_groups(rows[::-1], {}, Resampler(400))}
+    assert (again["hybrid"].kinds["tuned"].tau == h.tau).all()
+
+
+def test_e_is_decided_over_decoded_seeds(tmp_path):
+    """With three decoded seeds per drafter (as the study decodes its small scale), E still gets an interval."""
+    def seeded(name, rows):
+        if name == "e2e":
+            return [r for r in rows if r.get("scale") != "small"] + _seeded_e2e(0.5)
+    res = collect(CONTEXT, project(tmp_path, edit=seeded), draws=400)
+    order = scale_order(CONTEXT, [r for rows in res.raw.values() for r in rows or []])
+    e = next(v for v in findings(res.studies, res.e2e, order) if v.claim == "E")
+    small = e.evidence.split(" — ")[1]
+    assert small.startswith("scale small, 3 seeds decoded") and "no interval" not in small, e.evidence
+    # the large scale has a step-wise gain and a τ gain half as large (holds); the small one a τ gain as large as
+    # its step gain (fails): the scales disagree
+    assert e.verdict == INCONCLUSIVE and e.evidence.endswith("(the scales disagree)")
+    assert verdicts(project(tmp_path / "small", edit=lambda name, rows: _seeded_e2e(0.5) if name == "e2e"
+                            else None))["E"] == FAILS
 
 
 def test_h_is_not_measured_without_the_compute_matched_baseline(tmp_path):
