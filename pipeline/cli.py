@@ -142,20 +142,34 @@ def evaluate(overrides: Optional[list[str]] = OverridesArg, profile: Optional[st
 
 
 @app.command()
-def e2e(overrides: Optional[list[str]] = OverridesArg, profile: Optional[str] = ProfileOpt, root: Path = RootOpt):
+def e2e(overrides: Optional[list[str]] = OverridesArg, profile: Optional[str] = ProfileOpt, root: Path = RootOpt,
+        study: Optional[str] = typer.Option(None, help="Decode this study's drafters only (those its `e2e` filter "
+                                            "matches; all of them when it is not marked e2e)."),
+        only: Optional[list[str]] = typer.Option(None, "--only", help="Decode only the drafters with these "
+                                                 "settings, KEY=V1,V2 (repeatable; e.g. train.seed=1,2), as "
+                                                 "`sweep --only` trains a part of a study.")):
     """Tree speculative decoding with the trained drafters -> metrics/e2e.json."""
     def body():
+        from pipeline.config import parse_overrides
         from stages import e2e as stage
         cfg, paths = _setup(profile, overrides, root)
-        run_dirs = _e2e_run_dirs(cfg, paths)
+        if study is not None and study not in cfg.studies:
+            _fail(f"--study {study}: not a study of this profile (it has {', '.join(cfg.studies) or 'none'})")
+        run_dirs = _e2e_run_dirs(cfg, paths, study, parse_overrides(only or []))
         studies.update(Path(d).parent.name for d in run_dirs)
         with stage_run(cfg, "e2e", paths) as report:
             rows = stage.run(cfg.e2e, run_dirs, paths, report, target=cfg.target)
         write_e2e_summary(paths, rows)
         _print_e2e(rows)
     studies: set[str] = set()
-    # timed per study (e2e:scale), so the decoding of a study run in parts adds up like its sweeps
-    _guarded(body, lambda: "e2e:" + "+".join(sorted(studies)) if studies else "e2e")
+
+    def timed_as() -> str:
+        """Timed per study (e2e:scale), a part under its own key (e2e:scale --only KEY=V), so the decodings of a
+        study run in parts add up like its sweeps."""
+        from pipeline.config import parse_overrides
+        from stages.report import study_key
+        return study_key("e2e", "+".join(sorted(studies)), parse_overrides(only or [])) if studies else "e2e"
+    _guarded(body, timed_as)
 
 
 def _print_e2e(rows: list[dict]) -> None:
@@ -177,9 +191,11 @@ def _print_e2e(rows: list[dict]) -> None:
     out.print(e2e_baselines(rows), highlight=False, soft_wrap=True)
 
 
-def _e2e_run_dirs(cfg: Config, paths) -> list[Path]:
+def _e2e_run_dirs(cfg: Config, paths, only_study: str | None = None, only: dict | None = None) -> list[Path]:
     """The drafters of every study marked e2e (those matching its filter, when it has one), each trained run once
-    (a run adopted by several studies has one fingerprint), plus any checkpoints named in e2e.checkpoints."""
+    (a run adopted by several studies has one fingerprint), plus any checkpoints named in e2e.checkpoints.
+    `only_study`: that study's drafters alone (all of them when it is not marked e2e); `only`: those of them with
+    these settings (resolved KEY -> values)."""
     import json
 
     from pipeline.config import resolve_key
@@ -198,7 +214,7 @@ def _e2e_run_dirs(cfg: Config, paths) -> list[Path]:
 
     dirs, seen = [], set()
     for name, study in cfg.studies.items():
-        if not study.e2e:
+        if (only_study is not None and name != only_study) or (only_study is None and not study.e2e):
             continue
         base = paths.root / "runs" / name
         for run in sorted(base.glob("*")) if base.is_dir() else []:
@@ -206,11 +222,13 @@ def _e2e_run_dirs(cfg: Config, paths) -> list[Path]:
                 continue
             if isinstance(study.e2e, dict) and not matches(run, study.e2e):
                 continue
+            if only and not matches(run, only):
+                continue
             fp = (run / "fingerprint").read_text().strip() if (run / "fingerprint").is_file() else str(run)
             if fp not in seen:
                 seen.add(fp)
                 dirs.append(run)
-    return dirs + [Path(p) for p in cfg.e2e.checkpoints]
+    return dirs + ([] if only_study or only else [Path(p) for p in cfg.e2e.checkpoints])
 
 
 @app.command("export")

@@ -89,8 +89,21 @@ def test_e2e_decodes_the_marked_studies_filtered_and_each_run_once(tmp_path):
     cfg = with_values(load_config("smoke"), {"studies": {"scale": {"e2e": {"train.scale": ["large"]}},
                                                          "block": {"e2e": True}, "depth": {}}})
     assert _e2e_run_dirs(cfg, Paths(tmp_path)) == [large, own]
+    # a part: `kvshot e2e --only train.scale=small` decodes the marked studies' small drafters alone
+    assert _e2e_run_dirs(cfg, Paths(tmp_path), only={"train.scale": ["small"]}) == []
+    assert _e2e_run_dirs(cfg, Paths(tmp_path), only={"train.scale": ["large"]}) == [large, own]
+    # `--study depth`: a study not marked e2e decodes all of its drafters when named
+    deep = run("depth", "kv_only-d4", "small", "d")
+    assert _e2e_run_dirs(cfg, Paths(tmp_path), "depth") == [deep]
+    assert _e2e_run_dirs(cfg, Paths(tmp_path), "scale") == [large]     # its filter still applies
     cfg = with_values(cfg, {"studies": {"scale": {"e2e": True}}})
     assert _e2e_run_dirs(cfg, Paths(tmp_path)) == [large, small]
+    assert _e2e_run_dirs(cfg, Paths(tmp_path), only={"train.scale": ["small"]}) == [small]
+
+
+def test_e2e_names_a_study_the_profile_lacks():
+    out = run("e2e", "--profile", "smoke", "--study", "nope")
+    assert out.returncode != 0 and "--study nope: not a study of this profile" in out.stderr
 
 
 def test_keys_lists_every_key_with_its_value():
