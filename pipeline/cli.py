@@ -156,6 +156,9 @@ def e2e(overrides: Optional[list[str]] = OverridesArg, profile: Optional[str] = 
         if study is not None and study not in cfg.studies:
             _fail(f"--study {study}: not a study of this profile (it has {', '.join(cfg.studies) or 'none'})")
         run_dirs = _e2e_run_dirs(cfg, paths, study, parse_overrides(only or []))
+        if only and not run_dirs:
+            _fail(f"--only {' --only '.join(only)}: no trained drafter of "
+                  f"{'study ' + study if study else 'the studies marked e2e'} has these settings")
         studies.update(Path(d).parent.name for d in run_dirs)
         with stage_run(cfg, "e2e", paths) as report:
             rows = stage.run(cfg.e2e, run_dirs, paths, report, target=cfg.target)

@@ -101,9 +101,11 @@ def test_e2e_decodes_the_marked_studies_filtered_and_each_run_once(tmp_path):
     assert _e2e_run_dirs(cfg, Paths(tmp_path), only={"train.scale": ["small"]}) == [small]
 
 
-def test_e2e_names_a_study_the_profile_lacks():
+def test_e2e_names_a_study_the_profile_lacks(tmp_path):
     out = run("e2e", "--profile", "smoke", "--study", "nope")
     assert out.returncode != 0 and "--study nope: not a study of this profile" in out.stderr
+    out = run("e2e", "--profile", "smoke", "--root", str(tmp_path), "--only", "train.seed=7")
+    assert out.returncode != 0 and "--only train.seed=7: no trained drafter of the studies marked e2e" in out.stderr
 
 
 def test_keys_lists_every_key_with_its_value():
