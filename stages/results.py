@@ -281,22 +281,21 @@ def _e2e_kind(rows: list[dict], resampler: Resampler) -> E2EKind:
         return kind     # seeds decoded on different prompts (or one seed twice): point values only
 
     order = sorted(range(len(rows)), key=lambda i: seeds[i])     # the seed weights' columns: sorted labels
-
-    def stack(name: str) -> np.ndarray:      # [seeds, prompts]
-        return np.asarray([per[i][name] for i in order], dtype=np.float64)
-
+    names = ("accepted", "rounds") + (("tokens", "seconds", "greedy_tokens", "greedy_seconds")
+                                      if all(p.get("greedy_seconds") for p in per) else ())
+    a = {n: np.asarray([per[i][n] for i in order], dtype=np.float64) for n in names}     # [seeds, prompts]
     w = resampler.weights(ids[0], "prompts")
     sw = resampler.weights(tuple(sorted(seeds)), "seeds") if len(rows) > 1 else np.ones((w.shape[0], 1))
-    kind.tau = ratio_draws(stack("accepted"), stack("rounds"), w, sw)
-    kind.point["tau"] = float(stack("accepted").sum() / stack("rounds").sum())
-    if all(p.get("greedy_seconds") for p in per):
-        rate = ratio_draws(stack("tokens"), stack("seconds"), w, sw)
-        base = ratio_draws(stack("greedy_tokens"), stack("greedy_seconds"), w, sw)
+    kind.tau = ratio_draws(a["accepted"], a["rounds"], w, sw)
+    kind.point["tau"] = float(a["accepted"].sum() / a["rounds"].sum())
+    if "tokens" in a:
+        rate = ratio_draws(a["tokens"], a["seconds"], w, sw)
+        base = ratio_draws(a["greedy_tokens"], a["greedy_seconds"], w, sw)
         with np.errstate(divide="ignore", invalid="ignore"):
             kind.speedup = rate / base
         if len(rows) > 1:
-            kind.point["speedup"] = float((stack("tokens").sum() / stack("seconds").sum())
-                                          / (stack("greedy_tokens").sum() / stack("greedy_seconds").sum()))
+            kind.point["speedup"] = float((a["tokens"].sum() / a["seconds"].sum())
+                                          / (a["greedy_tokens"].sum() / a["greedy_seconds"].sum()))
     return kind
 
 

@@ -200,7 +200,7 @@ def _seeded_e2e(shift: float) -> list[dict]:
     the hybrid `shift` above its own seed's continued on every prompt, and each seed at its own tree."""
     rows = []
     for seed, tau in ((0, 1.5), (1, 2.5), (2, 2.0)):
-        base = fx.e2e_rows([(f"eagle3-continued-small", [4, 2, 8], "tuned", tau, 1.2, 0.3)])[0]
+        base = fx.e2e_rows([("eagle3-continued-small", [4, 2, 8], "tuned", tau, 1.2, 0.3)])[0]
         for trial, variant, init, add in (("eagle3-small-continued", "eagle3", "continued", 0.0),
                                           ("hybrid-small", "hybrid", "ckpt", shift)):
             row = copy.deepcopy(base)
