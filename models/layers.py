@@ -315,13 +315,16 @@ class _CausalBlockAttention(torch.autograd.Function):
         for i in range(0, len(kv), 2):
             o, lse_i = flash(q.view(B, H, n * J, hd), kv[i], kv[i + 1], 0.0, False, attn_mask=mask, scale=scale)
             parts.append((o.view(B, H, n, J, hd), lse_i.view(B, H, n, J)))
-        s = (q.to(acc) @ kc.to(acc).transpose(-1, -2)).mul_(scale)               # [B, H, n, J, J]
-        lse = torch.logsumexp(s, -1)                                              # [B, H, n, J]
-        for _, lse_i in parts:
-            lse = torch.logaddexp(lse, lse_i)
-        out = torch.exp(s - lse.unsqueeze(-1)) @ vc.to(acc)
-        for o_i, lse_i in parts:
-            out = out + torch.exp(lse_i - lse).unsqueeze(-1) * o_i.to(acc)
+        # an enclosing bf16 autocast would run these fp32 matmuls in bf16: a custom Function's forward runs under the
+        # caller's autocast, its backward (which recomputes the scores in fp32 from this lse) does not
+        with torch.autocast(q.device.type, enabled=False):
+            s = (q.to(acc) @ kc.to(acc).transpose(-1, -2)).mul_(scale)           # [B, H, n, J, J]
+            lse = torch.logsumexp(s, -1)                                          # [B, H, n, J]
+            for _, lse_i in parts:
+                lse = torch.logaddexp(lse, lse_i)
+            out = torch.exp(s - lse.unsqueeze(-1)) @ vc.to(acc)
+            for o_i, lse_i in parts:
+                out = out + torch.exp(lse_i - lse).unsqueeze(-1) * o_i.to(acc)
         out = out.to(q.dtype)
         ctx.save_for_backward(q, kc, vc, out, lse, *kv)
         ctx.scale = scale

@@ -283,6 +283,30 @@ def test_fused_block_attention_bf16_equals_generic_path(prefixes):
     torch.testing.assert_close(a, b, atol=3e-2, rtol=3e-2)
 
 
+@pytest.mark.parametrize("fused_path", ["chain", "block"])
+def test_fused_attentions_are_unchanged_by_an_enclosing_autocast(fused_path):
+    """The CPU fused attentions keep their fp32 scores under bf16 autocast: a custom Function's forward runs under
+    the caller's autocast, which would run their fp32 matmuls in bf16 while backward recomputes them in fp32."""
+    if fused_path == "block":
+        q, kc, vc, pre = _block_leaves(torch.bfloat16, 1, B=2, H=3, n=23, J=8, hd=16)
+        leaves = (q, kc, vc, *pre)
+        fn = _fused_and_plain(q.shape[2])[0]
+    else:
+        q, kc, vc, pre = _block_leaves(torch.bfloat16, 1, B=2, H=3, n=23, J=5, hd=16)
+        q = q[:, :, :, 0].detach().requires_grad_()
+        leaves = (q, kc, vc, *pre)
+
+        def fn(q, kc, vc, k, v):
+            return layers.attend(q, [layers.KeyBlock(k, v, causal=True), layers.KeyBlock(kc, vc, diag=True)])
+    plain = fn(*leaves)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        cast = fn(*leaves)
+    grad = torch.randn(plain.shape, generator=torch.Generator().manual_seed(1)).to(torch.bfloat16)
+    assert torch.equal(cast, plain)
+    for a, b in zip(torch.autograd.grad(cast, leaves, grad), torch.autograd.grad(plain, leaves, grad)):
+        assert torch.equal(a, b)
+
+
 @pytest.mark.parametrize("context", ["hidden", "kv", "both"])
 def test_block_unroll_gradients_fused_equal_masked_path(monkeypatch, context):
     """Every parameter's gradient of a block_unroll through the fused CPU path equals the plain masked path's."""
