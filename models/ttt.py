@@ -117,12 +117,14 @@ class _SoftCrossEntropy(torch.autograd.Function):
         out = torch.empty(z.shape[0], dtype=torch.float32, device=z.device)
         want_grad = ctx.needs_input_grad[0]
         grad = torch.empty_like(z) if want_grad else None
-        for i in range(0, z.shape[0], block):
-            logp = torch.log_softmax(z[i:i + block], -1, dtype=torch.float32)    # a new fp32 tensor, upcast fused
-            p = probs.index_select(0, rows[i:i + block])
-            out[i:i + block] = torch.linalg.vecdot(p, logp).neg_()
-            if want_grad:
-                grad[i:i + block] = logp.exp_().sub_(p)
+        # fp32 throughout: under CPU autocast vecdot would cast both operands to bf16 (two copies, a rounded CE)
+        with torch.autocast(z.device.type, enabled=False):
+            for i in range(0, z.shape[0], block):
+                logp = torch.log_softmax(z[i:i + block], -1, dtype=torch.float32)    # a new fp32 tensor, upcast fused
+                p = probs.index_select(0, rows[i:i + block])
+                out[i:i + block] = torch.linalg.vecdot(p, logp).neg_()
+                if want_grad:
+                    grad[i:i + block] = logp.exp_().sub_(p)
         if want_grad:
             ctx.save_for_backward(grad)
         return out

@@ -286,7 +286,7 @@ def test_fused_block_attention_bf16_equals_generic_path(prefixes):
 @pytest.mark.parametrize("fused_path", ["chain", "block"])
 def test_fused_attentions_are_unchanged_by_an_enclosing_autocast(fused_path):
     """The CPU fused attentions keep their fp32 scores under bf16 autocast: a custom Function's forward runs under
-    the caller's autocast, which would run their fp32 matmuls in bf16 while backward recomputes them in fp32."""
+    the caller's autocast, which would run fp32 matmuls in bf16 while backward recomputes them in fp32."""
     if fused_path == "block":
         q, kc, vc, pre = _block_leaves(torch.bfloat16, 1, B=2, H=3, n=23, J=8, hd=16)
         leaves = (q, kc, vc, *pre)

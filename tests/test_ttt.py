@@ -342,6 +342,23 @@ def test_weighted_soft_cross_entropy_matches_the_plain_one():
     assert torch.equal(arg, z.detach().argmax(-1))
 
 
+def test_soft_cross_entropies_are_unchanged_by_an_enclosing_autocast():
+    """Both losses stay fp32 under bf16 autocast (a custom Function's forward runs under the caller's autocast, which
+    would cast vecdot's operands to bf16)."""
+    from models.ttt import soft_cross_entropy, weighted_soft_cross_entropy
+
+    g = torch.Generator().manual_seed(0)
+    z = torch.randn(11, 13, generator=g).to(torch.bfloat16).requires_grad_()
+    probs = torch.softmax(torch.randn(6, 13, generator=g), -1)
+    rows = torch.tensor([0, 1, 2, 3, 4, 5, 2, 3, 5, 0, 1])
+    w = torch.rand(11, generator=g)
+    for loss in (lambda: soft_cross_entropy(z, probs, rows), lambda: weighted_soft_cross_entropy(z, probs, rows, w)[1]):
+        plain = loss()
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            cast = loss()
+        assert torch.equal(cast, plain)
+
+
 @pytest.mark.parametrize("causal", [True, False], ids=["flash", "masked"])
 def test_attention_of_query_rows_equals_the_full_layout(causal):
     """Queries at some flat positions of a [B, S] prefix (plus their chains) give the full layout's outputs and
