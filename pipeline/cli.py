@@ -14,7 +14,7 @@ from typing import Callable, Optional
 import typer
 from rich.console import Console
 
-from pipeline.config import Config, ConfigError, check_hardware, load_config
+from pipeline.config import Config, ConfigError, check_hardware, load_config, parse_overrides
 
 app = typer.Typer(add_completion=False, no_args_is_help=True, pretty_exceptions_enable=False,
                   help="kvshot: reproduce the KVShot drafter experiments (prepare -> ... -> report).")
@@ -22,6 +22,8 @@ console = Console(stderr=True)
 
 ProfileOpt = typer.Option(None, "--profile", "-p", help="Profile name (profiles/NAME.yaml), 'default', or a YAML path.")
 RootOpt = typer.Option(Path("."), "--root", help="Workspace root holding data/, runs/, metrics/ (DVC runs stages here).")
+PartOpt = typer.Option(None, "--part", help="Only this named part of the study (`studies.STUDY.parts`; `kvshot "
+                       "sweep --study STUDY --dry-run` lists them).")
 OverridesArg = typer.Argument(None, help="Overrides KEY=VALUE, e.g. depth=2 train.lr=1e-4 "
                                            "(`kvshot keys` lists the keys).")
 
@@ -147,17 +149,19 @@ def e2e(overrides: Optional[list[str]] = OverridesArg, profile: Optional[str] = 
                                             "matches; all of them when it is not marked e2e)."),
         only: Optional[list[str]] = typer.Option(None, "--only", help="Decode only the drafters with these "
                                                  "settings, KEY=V1,V2 (repeatable; e.g. train.seed=1,2), as "
-                                                 "`sweep --only` trains a part of a study.")):
+                                                 "`sweep --only` trains a part of a study."),
+        part: Optional[str] = PartOpt):
     """Tree speculative decoding with the trained drafters -> metrics/e2e.json."""
     def body():
-        from pipeline.config import parse_overrides
         from stages import e2e as stage
         cfg, paths = _setup(profile, overrides, root)
         if study is not None and study not in cfg.studies:
             _fail(f"--study {study}: not a study of this profile (it has {', '.join(cfg.studies) or 'none'})")
-        run_dirs = _e2e_run_dirs(cfg, paths, study, parse_overrides(only or []))
-        if only and not run_dirs:
-            _fail(f"--only {' --only '.join(only)}: no trained drafter of "
+        wanted.update(_part_or_only(cfg, study, part, only))
+        run_dirs = _e2e_run_dirs(cfg, paths, study, wanted)
+        if wanted and not run_dirs:
+            what = f"--part {part}" if part else f"--only {' --only '.join(only or [])}"
+            _fail(f"{what}: no trained drafter of "
                   f"{'study ' + study if study else 'the studies marked e2e'} has these settings")
         studies.update(Path(d).parent.name for d in run_dirs)
         with stage_run(cfg, "e2e", paths) as report:
@@ -165,13 +169,13 @@ def e2e(overrides: Optional[list[str]] = OverridesArg, profile: Optional[str] = 
         write_e2e_summary(paths, rows)
         _print_e2e(rows)
     studies: set[str] = set()
+    wanted: dict = {}
 
     def timed_as() -> str:
-        """Timed per study (e2e:scale), a part under its own key (e2e:scale --only KEY=V), so the decodings of a
-        study run in parts add up like its sweeps."""
-        from pipeline.config import parse_overrides
+        """Timed per study (e2e:scale), a part under its filter's key (e2e:scale --only KEY=V), so the decodings
+        of a study run in parts add up like its sweeps."""
         from stages.report import study_key
-        return study_key("e2e", "+".join(sorted(studies)), parse_overrides(only or [])) if studies else "e2e"
+        return study_key("e2e", "+".join(sorted(studies)), wanted) if studies else "e2e"
     _guarded(body, timed_as)
 
 
@@ -308,11 +312,11 @@ def sweep(overrides: Optional[list[str]] = OverridesArg, profile: Optional[str] 
                                        "already, and the training time left; run nothing."),
           only: Optional[list[str]] = typer.Option(None, "--only", help="Run the part of the plan with these "
                                                    "settings, KEY=V1,V2 (repeatable; e.g. train.scale=small), with "
-                                                   "the parents and controls it needs; names stay the whole plan's.")):
+                                                   "the parents and controls it needs; names stay the whole plan's."),
+          part: Optional[str] = PartOpt):
     """Run a grid (KEY=V1,V2 ...) or a study on Ray Tune: train then evaluate every trial."""
     def body():
         from pipeline import sweep as runner
-        from pipeline.config import parse_overrides
         from stages.common import Paths
 
         rootp = root.resolve()
@@ -320,12 +324,17 @@ def sweep(overrides: Optional[list[str]] = OverridesArg, profile: Optional[str] 
         cfg = load_config(profile, [], root=rootp)
         axes = parse_overrides(overrides or [])
         trials = runner.plan(cfg, axes, study)
-        if only:
-            trials = runner.plan_part(trials, parse_overrides(only))
+        parts = {} if axes else runner.check_parts(trials, cfg, study)
+        wanted.update(_part_or_only(cfg, study, part, only))
+        whole = trials
+        if wanted:
+            trials = runner.plan_part(trials, wanted)
         cache = os.environ.get("KVSHOT_MODEL_CACHE")
         paths = Paths(root=rootp, cache=Path(cache) if cache else None)
         if dry_run:
             runner.show_plan(trials, console=Console(), paths=paths)
+            if parts and not wanted and whole:
+                runner.show_parts(parts, Console(), paths)
             return UNTIMED
         check_hardware(cfg)
         result = runner.run_sweep(trials, paths)
@@ -334,12 +343,41 @@ def sweep(overrides: Optional[list[str]] = OverridesArg, profile: Optional[str] 
             _fail(f"{result.failed} of {len(trials)} trials failed: {', '.join(result.failed_names)}")
         # a sweep that only adopted finished trials keeps the wall time of the one that trained them
         return None if result.ran else UNTIMED
+    wanted: dict = {}
+
     def timed_as() -> str:
-        """A part (--only) is timed under its own key, so parts run in one workspace add up (stages.report)."""
-        from pipeline.config import parse_overrides
+        """A part (--part, --only) is timed under its filter's key, so parts run in one workspace add up
+        (stages.report)."""
         from stages.report import study_key
-        return study_key("sweep", study or "adhoc", parse_overrides(only or []))
+        return study_key("sweep", study or "adhoc", wanted)
     _guarded(body, timed_as)
+
+
+def _part_or_only(cfg: Config, study: Optional[str], part: Optional[str], only: Optional[list[str]]) -> dict:
+    """The filter of `--part` (a named part of the study) or of the `--only` settings: resolved KEY -> values."""
+    if part and only:
+        raise ConfigError(f"--part {part} and --only {' --only '.join(only)}: give one (a part is a named --only)")
+    if part:
+        from pipeline.sweep import part_filter
+        return part_filter(cfg, study, part)
+    return parse_overrides(only or [])
+
+
+def _repro_part(cfg: Config, profile: str, spec: str) -> int:
+    """`kvshot repro --part STUDY/PART`: check the part against the study's plan, then run it in the workspace."""
+    from pipeline import sweep as runner
+    from pipeline.dvc_workspace import repro_part
+
+    study, _, part = spec.partition("/")
+    if study not in cfg.studies or not part:
+        raise ConfigError(f"--part {spec!r}: expected STUDY/PART with a study of this profile "
+                          f"({', '.join(sorted(cfg.studies)) or 'none'})")
+    trials = runner.plan(cfg, {}, study)
+    runner.check_parts(trials, cfg, study)
+    mine = runner.plan_part(trials, runner.part_filter(cfg, study, part))
+    wants = cfg.studies[study].e2e
+    decode = wants is True or (isinstance(wants, dict) and any(runner.trial_matches(t, wants) for t in mine))
+    return repro_part(cfg, profile, study, part, decode, echo=lambda line: console.print(line, highlight=False))
 
 
 def write_curves(paths, study: str) -> None:
@@ -381,7 +419,10 @@ def write_e2e_summary(paths, rows: list[dict]) -> None:
 def repro(profile: Optional[str] = ProfileOpt,
           force: bool = typer.Option(False, "--force", help="Re-run every stage even if up to date."),
           stage: Optional[list[str]] = typer.Option(None, "--stage", help="Only this DVC stage (e.g. study@depth) "
-                                                    "and what it depends on; repeatable.")):
+                                                    "and what it depends on; repeatable."),
+          part: Optional[str] = typer.Option(None, "--part", help="Only this part of a study, STUDY/PART "
+                                             "(`studies.STUDY.parts`): the data stages, the part's sweep and its "
+                                             "end-to-end decoding, timed as one.")):
     """The whole DAG through DVC. The default profile runs in the project root; any other profile in its own
     workspace scratch/workspaces/<profile>/ (a YAML path: its file name without .yaml), whose params.yaml is the
     resolved profile (so DVC tracks it)."""
@@ -389,6 +430,13 @@ def repro(profile: Optional[str] = ProfileOpt,
         from pipeline.dvc_workspace import repro as run_repro
         cfg = load_config(profile if profile not in (None, "") else "default")
         check_hardware(cfg)
+        if part is not None:
+            if stage or force:
+                raise ConfigError(f"--part {part}: runs on its own, without --stage or --force")
+            code = _repro_part(cfg, profile or "default", part)
+            if code:
+                _fail(f"--part {part} failed (exit {code}); finished work is kept, run again to resume")
+            return
         known = {"prepare", "regenerate", "features", "e2e", "report", *(f"study@{s}" for s in cfg.studies)}
         bad = [s for s in stage or [] if s not in known]
         if bad:

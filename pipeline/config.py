@@ -8,12 +8,13 @@ from __future__ import annotations
 import difflib
 import itertools
 import os
+import re
 import sys
 from pathlib import Path
 from typing import Any
 
 import yaml
-from pydantic import BaseModel, Field, ValidationError
+from pydantic import BaseModel, Field, ValidationError, field_validator
 
 from stages.common import Section, TargetParams
 from stages.e2e import E2EParams
@@ -32,6 +33,9 @@ class ConfigError(ValueError):
     """A one-line, user-facing config problem naming the key or file."""
 
 
+PART_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_-]*")
+
+
 class StudyParams(Section):
     """One study: a grid over config keys (cartesian) plus extra single trials (e.g. the EAGLE-3 baseline)."""
 
@@ -43,6 +47,20 @@ class StudyParams(Section):
     # decode end to end with this study's drafters: all of them (true), or those whose config matches every
     # {key: [values]} of a mapping (e.g. {train.scale: [large]})
     e2e: bool | dict[str, list[Any]] = False
+    # named parts, each a filter {KEY: [values]} as `sweep --only` takes (the parents and controls its trials need
+    # come along): what `kvshot repro --part STUDY/PART` runs from a fresh workspace, and the unit a study's wall
+    # time budget is stated for when the whole study is too long to run in one go; together they cover the plan
+    parts: dict[str, dict[str, list[Any]]] = {}
+
+    @field_validator("parts")
+    @classmethod
+    def _part_names(cls, parts: dict[str, dict[str, list[Any]]]) -> dict[str, dict[str, list[Any]]]:
+        for name, only in parts.items():
+            if not PART_NAME.fullmatch(name):
+                raise ValueError(f"part name {name!r}: use letters, digits, '-' and '_' only")
+            if not only:
+                raise ValueError(f"part {name!r}: an empty filter; give KEY: [values]")
+        return parts
 
 
 class TrackingParams(Section):

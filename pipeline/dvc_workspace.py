@@ -11,6 +11,7 @@ import os
 import shutil
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import yaml
@@ -72,3 +73,40 @@ def repro(cfg: Config, profile: str, force: bool = False, stages: list[str] | No
     if shutil.which("dvc", path=env["PATH"]) is None:
         raise FileNotFoundError("dvc is not installed in this environment (run `make setup`)")
     return subprocess.run(cmd, cwd=root, env=env).returncode
+
+
+DATA_STAGES = "features"   # the last data stage: `dvc repro features` runs prepare, regenerate and features
+
+
+def repro_part(cfg: Config, profile: str, study: str, part: str, decode: bool,
+               echo=lambda line: None) -> int:
+    """One part of a study from its workspace, in one go: the data stages through DVC (nothing when they are up to
+    date), then `kvshot sweep --study STUDY --part PART` and, when the part holds drafters the study decodes,
+    `kvshot e2e` of those. The whole is timed into the workspace's parts record (scratch/parts.json, which the
+    report reads), with the data stages' share and whether the workspace was fresh; each command records its
+    own stage time too. Returns the first nonzero exit code, else 0."""
+    from pipeline.provenance import record_part
+
+    root = ROOT if profile == "default" else prepare_workspace(cfg, profile)
+    (root / "scratch").mkdir(parents=True, exist_ok=True)
+    env = dvc_env(root)
+    if shutil.which("dvc", path=env["PATH"]) is None:
+        raise FileNotFoundError("dvc is not installed in this environment (run `make setup`)")
+    fresh = not (root / "data" / "features").exists()
+    kvshot = [sys.executable, "-m", "pipeline.cli"]
+    steps = [("data stages", ["dvc", "repro", DATA_STAGES]),
+             ("sweep", kvshot + ["sweep", "--study", study, "--part", part])]
+    if decode:
+        steps.append(("e2e", kvshot + ["e2e", "--study", study, "--part", part]))
+    start = time.perf_counter()
+    data_s = 0.0
+    for what, cmd in steps:
+        echo(f"part {study}/{part}: {what}")
+        t0 = time.perf_counter()
+        code = subprocess.run(cmd, cwd=root, env=env).returncode
+        if what == "data stages":
+            data_s = time.perf_counter() - t0
+        if code:
+            return code
+    record_part(root, f"{study}/{part}", time.perf_counter() - start, data_s, fresh)
+    return 0

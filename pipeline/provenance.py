@@ -10,6 +10,7 @@ from pipeline.config import ROOT, Config
 
 TIMINGS = "scratch/timings.json"
 MACHINES = "scratch/machines.json"   # the machine each stage command last ran on (studies run on different ones)
+PARTS = "scratch/parts.json"         # each study part run in one go (`kvshot repro --part`): its wall time and where
 
 
 def short_commit(root: Path = ROOT) -> str:
@@ -64,6 +65,15 @@ def record_time(root: Path, command: str, seconds: float, machine: str | None = 
     _update_json(Path(root) / MACHINES, command, machine or hardware())
 
 
+def record_part(root: Path, part: str, seconds: float, data_stages_s: float, fresh: bool) -> None:
+    """Remember the latest run of a study part in one go (`STUDY/PART`): its whole wall time, the data stages'
+    share of it, whether they ran from a fresh workspace, and the commit and machine. Kept apart from the stage
+    times, which hold the same work stage by stage (the report's total sums those)."""
+    _update_json(Path(root) / PARTS, part, {"wall_s": round(seconds, 1), "data_stages_s": round(data_stages_s, 1),
+                                            "fresh": fresh, "commit": short_commit(), "machine": hardware(),
+                                            "date": dt.date.today().isoformat()})
+
+
 def provenance(cfg: Config, paths) -> dict:
     """The context the report stage prints: everything optional is 'unknown' when it cannot be read."""
     times = _read_json(Path(paths.root) / TIMINGS)
@@ -78,4 +88,6 @@ def provenance(cfg: Config, paths) -> dict:
         "stage_times_s": times,
         "stage_machines": _read_json(Path(paths.root) / MACHINES),
         "studies": list(cfg.studies),
+        "study_parts": {name: study.parts for name, study in cfg.studies.items() if study.parts},
+        "parts_run": _read_json(Path(paths.root) / PARTS),
     }

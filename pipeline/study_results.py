@@ -3,7 +3,8 @@ in different workspaces, on different machines, combined into one folder and one
 
 `kvshot study-results WS` folds one workspace into the folder: each study whose metrics the workspace holds
 replaces that study's committed metrics; every other study's stay as committed. Stage wall times, the machines the
-stages ran on and the `dvc.lock` stages merge the same way (the workspace's entries win); so do the end-to-end rows,
+stages ran on, the study parts run in one go (`kvshot repro --part`) and the `dvc.lock` stages merge the same way
+(the workspace's entries win); so do the end-to-end rows,
 by study (the workspace's rows replace those of the studies it decoded). The report is then
 regenerated from the merged files alone, so every row keeps the commit and fingerprint it was trained at.
 
@@ -22,11 +23,11 @@ from pathlib import Path
 
 import yaml
 
-from pipeline.provenance import MACHINES, TIMINGS
+from pipeline.provenance import MACHINES, PARTS, TIMINGS
 from stages.common import StageError, write_json_atomic, write_text_atomic
 
 # where each file lies in a workspace -> where it lies in the results folder
-_JSON_RECORDS = {TIMINGS: "timings.json", MACHINES: "machines.json"}
+_JSON_RECORDS = {TIMINGS: "timings.json", MACHINES: "machines.json", PARTS: "parts.json"}
 
 
 @dataclass(frozen=True)

@@ -215,18 +215,17 @@ def plan(cfg: Config, axes: dict[str, list[Any]] | None = None, study: str | Non
     return sorted(trials, key=lambda t: t.depends_on is not None)
 
 
+def trial_matches(t: Trial, only: dict[str, list[Any]]) -> bool:
+    """Whether a trial's config takes one of the allowed values of every key of `only` (KEY -> values)."""
+    return all(_lookup(t.config, k) in vals for k, vals in _resolve_axes(only).items())
+
+
 def plan_part(trials: list[Trial], only: dict[str, list[Any]]) -> list[Trial]:
     """The part of a plan whose settings take the `only` values (KEY -> allowed values), with the parent and the
     compute-matched control of each ckpt child kept; names stay the whole plan's. A study run in parts (one data
     scale now, the other later) so names each trial as the whole study does, and its parts combine by name."""
-    def setting(cfg: Config, key: str) -> Any:
-        node: Any = cfg
-        for part in key.split("."):
-            node = getattr(node, part)
-        return node
-
     only = _resolve_axes(only)
-    kept = {t.name for t in trials if all(setting(t.config, k) in vals for k, vals in only.items())}
+    kept = {t.name for t in trials if trial_matches(t, only)}
     if not kept:
         want = " ".join(f"{k}={','.join(map(str, v))}" for k, v in only.items())
         raise ConfigError(f"--only {want}: no trial of the plan has these settings (`--dry-run` without it lists them)")
@@ -235,6 +234,38 @@ def plan_part(trials: list[Trial], only: dict[str, list[Any]]) -> list[Trial]:
                 and any(k.depends_on == t.depends_on and k.variant in CKPT_CHILDREN for k in trials if k.name in kept)}
     kept |= parents | controls
     return [t for t in trials if t.name in kept]
+
+
+def part_filter(cfg: Config, study: str | None, part: str) -> dict[str, list[Any]]:
+    """The `--only` filter of the named part of a study (`studies.STUDY.parts.PART`)."""
+    spec = cfg.studies.get(study) if study else None
+    if spec is None:
+        raise ConfigError(f"--part {part}: needs --study, a study of this profile "
+                          f"({', '.join(sorted(cfg.studies)) or 'none'})")
+    if part not in spec.parts:
+        has = f"its parts: {', '.join(spec.parts)}" if spec.parts else "it has no parts"
+        raise ConfigError(f"--part {part}: not a part of study {study} ({has})")
+    return _resolve_axes(spec.parts[part])
+
+
+def check_parts(trials: list[Trial], cfg: Config, study: str | None) -> dict[str, list[Trial]]:
+    """A study's parts with the trials each runs; a ConfigError when a part matches no trial or a trial of the
+    plan lies in no part (run part by part, the study would never finish). {} for a study without parts."""
+    spec = cfg.studies.get(study) if study else None
+    if spec is None or not spec.parts:
+        return {}
+    parts: dict[str, list[Trial]] = {}
+    for name, only in spec.parts.items():
+        try:
+            parts[name] = plan_part(trials, only)
+        except ConfigError:
+            raise ConfigError(f"studies.{study}.parts.{name}: no trial of the plan has these settings") from None
+    covered = {t.name for part in parts.values() for t in part}
+    left = [t.name for t in trials if t.name not in covered]
+    if left:
+        raise ConfigError(f"studies.{study}.parts: no part runs {', '.join(left)}; add a part whose filter "
+                          "matches them")
+    return parts
 
 
 def _naming_keys(all_values: list[dict[str, Any]]) -> list[str]:
@@ -434,6 +465,36 @@ def plan_estimate(trials: list[Trial], took: dict[str, float], slots: int) -> st
     if left is None:
         return text + " (no finished trial of the plan to estimate their time from)"
     return text + f", about {duration(left)} at {slots} at a time (at the pace of the {len(took)} finished)"
+
+
+def show_parts(parts: dict[str, list[Trial]], console: Console, paths: Paths) -> Table:
+    """The parts of a study (`--dry-run` without --part): each one's filter, trials, how many are left to train
+    and the training time they would take at the pace of the plan's finished trials."""
+    every = {t.name: t for ts in parts.values() for t in ts}
+    fingerprint_trials(list(every.values()), paths)
+    took = {}
+    for name, t in every.items():
+        row = cached_result(t, paths) or (finished_elsewhere(t, paths) or (None, None))[1]
+        if row is not None and isinstance(row.get("wall_s"), (int, float)):
+            took[name] = float(row["wall_s"])
+    first = next(iter(every.values()), None)
+    slots = first.config.ray.max_concurrent if first else 1
+    table = Table(title=f"parts of {first.study if first else ADHOC} (`kvshot repro --part STUDY/PART` runs one "
+                  "from a fresh workspace)", title_justify="left")
+    for col in ("part", "filter", "trials", "to train", "training left"):
+        table.add_column(col, overflow="fold")
+    spent = sum(estimated_cost(every[n]) for n in took)
+    rate = sum(took.values()) / spent if spent > 0 else None   # seconds per unit of work, as measured
+    for name, trials in parts.items():
+        spec = first.config.studies[first.study].parts[name] if first else {}
+        todo = [t for t in trials if t.name not in took]
+        left = "–" if not todo else "unknown" if rate is None else duration(rate * max(
+            sum(estimated_cost(t) for t in todo) / min(slots, len(todo)),
+            max(schedule_order(todo).values())))   # never under its longest chain of parent and child
+        table.add_row(name, " ".join(f"{k}={','.join(map(str, v))}" for k, v in spec.items()), str(len(trials)),
+                      str(len(todo)), left)
+    _print_table(console, table)
+    return table
 
 
 def single_trial(cfg: Config, study: str = ADHOC) -> Trial:

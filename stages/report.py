@@ -43,6 +43,7 @@ class ReportParams(Section):
     bootstrap_draws: int = Field(2000, ge=100)         # resamples behind every interval
     level: float = Field(0.95, gt=0.5, lt=1.0)         # interval coverage
     much_smaller_ratio: float = Field(0.5, gt=0)       # claim E: e2e relative gain < ratio x step-wise gain
+    budget_min: float | None = Field(None, gt=0)      # the wall time a study part should take from a fresh workspace
 
 
 def load_paper_numbers(path: Path = PAPER_NUMBERS) -> dict:
@@ -553,6 +554,35 @@ def _study_provenance(res: Results, context: dict) -> pd.DataFrame:
                                                        "machine"])
 
 
+def _parts_provenance(context: dict, budget_min: float | None) -> pd.DataFrame:
+    """Per study part (`studies.STUDY.parts`): its filter and, when it ran in one go (`kvshot repro --part`), that
+    run's wall time, the data stages' share, whether the workspace was fresh, and where and at which commit."""
+    parts = context.get("study_parts") if isinstance(context.get("study_parts"), dict) else {}
+    runs = context.get("parts_run") if isinstance(context.get("parts_run"), dict) else {}
+    records = []
+    for study, named in parts.items():
+        for name, only in (named or {}).items():
+            run = runs.get(f"{study}/{name}")
+            row = {"study": study, "part": name,
+                   "filter": " ".join(f"{k}={','.join(map(str, v))}" for k, v in (only or {}).items())}
+            if isinstance(run, dict) and isinstance(run.get("wall_s"), (int, float)):
+                wall, data = run["wall_s"] / 60, float(run.get("data_stages_s") or 0) / 60
+                row.update({"wall time (one go)": f"{wall:.1f} min",
+                            "data stages": f"{data:.1f} min" + (", fresh workspace" if run.get("fresh") else
+                                                                ", already there"),
+                            "commit": str(run.get("commit", "unknown")), "machine": str(run.get("machine", "unknown"))})
+                if budget_min is not None:
+                    row["within budget"] = ("yes" if wall <= budget_min else "no") if run.get("fresh") else \
+                        "– (not from a fresh workspace)"
+            else:
+                row.update({"wall time (one go)": "not run in one go", "data stages": "–", "commit": "–",
+                            "machine": "–"})
+                if budget_min is not None:
+                    row["within budget"] = "–"
+            records.append(row)
+    return pd.DataFrame.from_records(records)
+
+
 TITLES = {"injection": "Injection study (KV-only, 1 layer)", "depth": "Depth study (KV-only vs EAGLE-3)",
           "hybrid": "Hybrid study (hybrid and cross-only vs EAGLE-3)", "scale": "Scale study (end to end)",
           "block": "Block study (block-wise drafters vs autoregressive ones, equal training steps)"}
@@ -678,6 +708,11 @@ def run(params: ReportParams, context: dict, paths: Paths, report: Report) -> No
     studies_prov = _study_provenance(res, context)
     if len(studies_prov):
         md += ["Per study:", "", md_table(studies_prov), ""]
+    parts_prov = _parts_provenance(context, params.budget_min)
+    if len(parts_prov):
+        budget = f" (the budget: {params.budget_min:g} min each, from a fresh workspace)" if params.budget_min else ""
+        md += [f"Per part: the studies run in parts, each part in one go with `kvshot repro --part STUDY/PART`"
+               f"{budget}:", "", md_table(parts_prov), ""]
 
     for stale in sorted(fig_dir.glob("*.png")) if fig_dir.is_dir() else []:
         if stale.name not in written:   # a figure of a study that is gone must not linger

@@ -37,7 +37,18 @@ def test_sweep_dry_run_of_a_study_includes_its_baseline():
     assert "eagle3" in out.stdout and "kv_only-d4" in out.stdout
     part = run("sweep", "--study", "scale", "--only", "train.scale=large", "--dry-run", "--profile", "study")
     assert part.returncode == 0, part.stderr
-    assert "3 trials" in part.stdout and "hybrid-large" in part.stdout and "small" not in part.stdout
+    assert "6 trials" in part.stdout and "hybrid-large-s1" in part.stdout and "small" not in part.stdout
+
+
+def test_sweep_dry_run_lists_a_studys_parts_and_runs_one():
+    out = run("sweep", "--study", "block", "--dry-run", "--profile", "study")
+    assert out.returncode == 0, out.stderr
+    for part in ("blocks-seed0", "blocks-seeds12", "ar-seed0", "ar-seed1", "ar-seed2"):
+        assert part in out.stdout
+    one = run("sweep", "--study", "block", "--part", "ar-seed1", "--dry-run", "--profile", "study")
+    assert one.returncode == 0, one.stderr
+    assert "5 trials" in one.stdout and "kv_only-d4-s1" in one.stdout and "eagle3-s1-continued" in one.stdout
+    assert "block-" not in one.stdout and "parts of" not in one.stdout
 
 
 @pytest.mark.parametrize("args, needle", [
@@ -46,6 +57,13 @@ def test_sweep_dry_run_of_a_study_includes_its_baseline():
     (("sweep", "depth=two", "--dry-run"), "drafter.depth"),
     (("sweep", "--study", "depth", "--only", "depth=3", "--dry-run"), "--only drafter.depth=3: no trial of the plan"),
     (("prepare", "--profile", "nope"), "unknown profile 'nope'"),
+    (("sweep", "--study", "depth", "--part", "nope", "--dry-run", "--profile", "study"),
+     "--part nope: not a part of study depth (its parts: seed0, seeds12)"),
+    (("sweep", "--study", "depth", "--part", "seed0", "--only", "depth=4", "--dry-run", "--profile", "study"),
+     "give one (a part is a named --only)"),
+    (("e2e", "--part", "seed0", "--profile", "study"), "--part seed0: needs --study"),
+    (("repro", "--profile", "study", "--part", "depth"), "--part 'depth': expected STUDY/PART"),
+    (("repro", "--profile", "study", "--part", "depth/seed0", "--stage", "features"), "without --stage or --force"),
     (("train", "variant=medusa"), "drafter.variant"),
 ])
 def test_bad_input_is_one_line_and_exit_2(args, needle):

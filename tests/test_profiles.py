@@ -8,7 +8,7 @@ import json
 import pytest
 
 from pipeline.config import load_config, profile_path
-from pipeline.sweep import plan
+from pipeline.sweep import check_parts, plan
 from stages.common import Paths, TargetParams
 from stages.evaluate import EvalParams
 from stages.evaluate import run as evaluate
@@ -46,6 +46,7 @@ def test_every_study_of_the_profile_plans(profile):
         ckpt = [t for t in trials if t.variant in ("hybrid", "cross_only") and t.config.drafter.init == "ckpt"]
         continued = [t for t in trials if t.variant == "eagle3" and t.config.drafter.init == "continued"]
         assert {c.depends_on for c in ckpt} <= {c.depends_on for c in continued}, study
+        check_parts(trials, cfg, study)   # run part by part, the study would finish
 
 
 @pytest.fixture(scope="module")

@@ -393,6 +393,33 @@ def test_a_study_run_in_parts_sums_its_parts_times_and_machines():
     assert study_entries({"sweep:scale": "A", "sweep:scale --only train.seed=1": "B"}, "sweep", "scale") == ["A", "B"]
 
 
+def test_each_part_states_its_one_go_wall_time_and_the_budget(tmp_path):
+    """The parts table: a part run from a fresh workspace is held to the budget, one run where the data stages
+    were already there is not (its time leaves them out), one never run in one go says so."""
+    paths = project(tmp_path)
+    parts = {"depth": {"seed0": {"train.seed": [0]}, "seeds12": {"train.seed": [1, 2]}},
+             "scale": {"large": {"train.scale": ["large"]}}}
+    runs = {"depth/seed0": {"wall_s": 7200.0, "data_stages_s": 1800.0, "fresh": True, "commit": "abc1234",
+                            "machine": "2 CPU cores"},
+            "depth/seeds12": {"wall_s": 9600.0, "data_stages_s": 2000.0, "fresh": True, "commit": "abc1234",
+                              "machine": "2 CPU cores"},
+            "scale/large": {"wall_s": 600.0, "data_stages_s": 3.0, "fresh": False, "commit": "def5678",
+                            "machine": "another"}}
+    run(ReportParams(bootstrap_draws=400, budget_min=150), {**CONTEXT, "study_parts": parts, "parts_run": runs},
+        paths, lambda m: None)
+    prov = section((paths.reports / "README.md").read_text(), "Provenance")
+    assert "the budget: 150 min each, from a fresh workspace" in prov
+    assert table_row(prov, "depth", "seed0")[2:] == ["train.seed=0", "120.0 min", "30.0 min, fresh workspace",
+                                                     "abc1234", "2 CPU cores", "yes"]
+    assert table_row(prov, "depth", "seeds12")[-1] == "no"
+    assert table_row(prov, "scale", "large")[3:] == ["10.0 min", "0.1 min, already there", "def5678", "another",
+                                                     "– (not from a fresh workspace)"]
+    paths = project(tmp_path / "never")
+    run(FAST, {**CONTEXT, "study_parts": {"scale": {"large": {"train.scale": ["large"]}}}}, paths, lambda m: None)
+    prov = section((paths.reports / "README.md").read_text(), "Provenance")
+    assert table_row(prov, "scale", "large")[2:] == ["train.scale=large", "not run in one go", "–", "–", "–"]
+
+
 def test_the_scale_sections_tie_note_reads_the_scale_decodings_only(tmp_path):
     def edit(name, rows):
         if name != "e2e":

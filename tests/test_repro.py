@@ -135,3 +135,27 @@ def test_sweeps_track_in_mlflow_and_skip_finished_trials(smoke):
         # α_k is undefined (not logged) once no position has all earlier steps right: a briefly trained drafter
         assert 0 in steps("alpha") and steps("alpha") <= set(range(7))
         assert db.execute("select count(*) from metrics where run_uuid=? and key='mat'", (child,)).fetchone()[0]
+
+
+def test_a_part_of_a_study_runs_in_one_go_from_a_fresh_workspace(tmp_path):
+    """`kvshot repro --part STUDY/PART`: the data stages, the part's sweep and the end-to-end decoding of its
+    drafters the study marks, nothing of the other studies, and one wall time for the whole in the parts record."""
+    env = dict(os.environ, KVSHOT_WORKSPACES=str(tmp_path), PATH=f"{BIN}{os.pathsep}{os.environ['PATH']}")
+    env.pop("MLFLOW_TRACKING_URI", None)
+    env.pop("RAY_ADDRESS", None)
+    out = kvshot("repro", "--profile", "smoke", "--part", "block/blocks", env=env)
+    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+    ws = tmp_path / "smoke"
+    assert sorted(p.name for p in (ws / "runs").iterdir()) == ["block"]
+    assert sorted(p.name for p in (ws / "runs" / "block").iterdir()) == ["block-hidden", "block-kv"]
+    assert [p.name for p in (ws / "metrics" / "stepwise").glob("*.json")] == ["block.json"]
+    assert {r["trial"] for r in json.loads((ws / "metrics" / "e2e.json").read_text())} == {"block-hidden",
+                                                                                          "block-kv"}
+    assert not (ws / "reports").exists()
+    record = json.loads((ws / "scratch" / "parts.json").read_text())["block/blocks"]
+    assert record["fresh"] is True and record["wall_s"] > record["data_stages_s"] > 0
+    times = json.loads((ws / "scratch" / "timings.json").read_text())
+    assert {"prepare", "regenerate", "features", "sweep:block --only drafter.variant=block",
+            "e2e:block --only drafter.variant=block"} <= set(times)
+    # the data stages' DVC records are the whole profile's: a later `kvshot repro` picks up from them
+    assert "features" in (ws / "dvc.lock").read_text()

@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from pipeline.provenance import cpu_name, record_time
+from pipeline.provenance import cpu_name, record_part, record_time
 from pipeline.study_results import install, merge, merged_lock
 from stages.common import StageError
 
@@ -173,6 +173,19 @@ def test_a_broken_record_names_its_file(folders):
     (ws / "scratch" / "timings.json").write_text("{")
     with pytest.raises(StageError, match="timings.json: not valid JSON"):
         merge(ws, results, staging)
+
+
+def test_parts_run_in_one_go_merge_by_part_the_workspace_winning(folders):
+    results, ws, staging = folders
+    (results / "parts.json").write_text(json.dumps({"depth/seed0": {"wall_s": 7000.0}, "scale/a": {"wall_s": 1.0}}))
+    record_part(ws, "scale/a", 8000.0, 2000.0, fresh=True)
+    merge(ws, results, staging)
+    parts = json.loads((staging / "scratch" / "parts.json").read_text())
+    assert parts["depth/seed0"] == {"wall_s": 7000.0}
+    assert parts["scale/a"]["wall_s"] == 8000.0 and parts["scale/a"]["data_stages_s"] == 2000.0
+    assert parts["scale/a"]["fresh"] is True and parts["scale/a"]["machine"] and parts["scale/a"]["commit"]
+    # the stage times stay the stages' own: a part's time is not added to the total the report sums
+    assert "scale/a" not in json.dumps(json.loads((staging / "scratch" / "timings.json").read_text()))
 
 
 def test_record_time_keeps_the_machine_beside_the_time(tmp_path):

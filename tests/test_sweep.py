@@ -160,6 +160,46 @@ def test_part_of_a_plan_keeps_its_names_parents_and_controls():
         plan_part(trials, parse_overrides(["train.scale=huge"]))
 
 
+def test_the_study_profiles_parts_cover_each_plan():
+    """Run part by part, every study of the study profile finishes: each trial lies in a part (with the parent and
+    the control it needs), and each part names trials of the plan."""
+    from pipeline.sweep import check_parts
+
+    cfg = load_config("study")
+    for study, spec in cfg.studies.items():
+        parts = check_parts(plan(cfg, study=study), cfg, study)
+        assert set(parts) == set(spec.parts), study
+    block = check_parts(plan(cfg, study="block"), cfg, "block")
+    assert {t.name for t in block["ar-seed1"]} == {"eagle3-s1", "eagle3-s1-continued", "eagle3.1-s1", "kv_only-d4-s1",
+                                                   "hybrid-s1-ckpt"}
+    assert {t.variant for t in block["blocks-seeds12"]} == {"block"} and len(block["blocks-seeds12"]) == 4
+
+
+def test_parts_that_leave_a_trial_out_or_match_nothing_are_one_line_errors():
+    from pipeline.config import Config
+    from pipeline.sweep import check_parts, part_filter
+
+    tree = load_config("study").model_dump()
+    tree["studies"]["depth"]["parts"] = {"seed0": {"train.seed": [0]}}
+    cfg = Config.model_validate(tree)
+    with pytest.raises(ConfigError, match=r"studies.depth.parts: no part runs kv_only-d4-s1, kv_only-d4-s2, "):
+        check_parts(plan(cfg, study="depth"), cfg, "depth")
+    tree["studies"]["depth"]["parts"] = {"all": {"train.seed": [0, 1, 2]}, "none": {"seed": [7]}}
+    cfg = Config.model_validate(tree)
+    with pytest.raises(ConfigError, match=r"studies.depth.parts.none: no trial of the plan"):
+        check_parts(plan(cfg, study="depth"), cfg, "depth")
+    assert check_parts(plan(cfg, study="injection"), cfg, "injection") == {}   # no parts: one whole
+    assert part_filter(cfg, "depth", "all") == {"train.seed": [0, 1, 2]}
+    with pytest.raises(ConfigError, match=r"--part x: not a part of study depth \(its parts: all, none\)"):
+        part_filter(cfg, "depth", "x")
+    with pytest.raises(ConfigError, match=r"--part x: not a part of study injection \(it has no parts\)"):
+        part_filter(cfg, "injection", "x")
+    tree["studies"]["depth"]["parts"] = {"two words": {"seed": [0]}}
+    with pytest.raises(ConfigError, match=r"studies.depth.parts: Value error, part name 'two words'"):
+        from pipeline.config import _validate
+        _validate(tree, "profile x")
+
+
 def test_bad_plans_are_one_line_errors():
     with pytest.raises(ConfigError, match="nothing to sweep"):
         plan(smoke())
