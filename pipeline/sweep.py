@@ -481,7 +481,7 @@ def show_parts(parts: dict[str, list[Trial]], console: Console, paths: Paths) ->
     slots = first.config.ray.max_concurrent if first else 1
     table = Table(title=f"parts of {first.study if first else ADHOC} (`kvshot repro --part STUDY/PART` runs one "
                   "from a fresh workspace)", title_justify="left")
-    for col in ("part", "filter", "trials", "to train", "training left"):
+    for col in ("part", "filter", "trials", "to train", "training left", "its trials' times replayed"):
         table.add_column(col, overflow="fold")
     spent = sum(estimated_cost(every[n]) for n in took)
     rate = sum(took.values()) / spent if spent > 0 else None   # seconds per unit of work, as measured
@@ -491,10 +491,30 @@ def show_parts(parts: dict[str, list[Trial]], console: Console, paths: Paths) ->
         left = "–" if not todo else "unknown" if rate is None else duration(rate * max(
             sum(estimated_cost(t) for t in todo) / min(slots, len(todo)),
             max(schedule_order(todo).values())))   # never under its longest chain of parent and child
+        replayed = "–" if todo else duration(replay(trials, took, slots))
         table.add_row(name, " ".join(f"{k}={','.join(map(str, v))}" for k, v in spec.items()), str(len(trials)),
-                      str(len(todo)), left)
+                      str(len(todo)), left, replayed)
     _print_table(console, table)
     return table
+
+
+def replay(trials: list[Trial], took: dict[str, float], slots: int) -> float:
+    """Seconds a sweep of `trials` takes from scratch if each trains for the seconds it took (`took`): `slots` at a
+    time, a child once its parent has finished, in the sweep's own order (`schedule_order`). What a part of a
+    study run in pieces would take in one go, its data stages and decoding aside."""
+    import heapq
+
+    prio = schedule_order(trials)
+    pending, running, ended, now = {t.name: t for t in trials}, [], set(), 0.0
+    while pending or running:
+        ready = sorted((t for t in pending.values() if t.depends_on is None or t.depends_on in ended
+                        or t.depends_on not in prio), key=lambda t: -prio[t.name])
+        for t in ready[:slots - len(running)]:
+            heapq.heappush(running, (now + took[t.name], t.name))
+            del pending[t.name]
+        now, name = heapq.heappop(running)
+        ended.add(name)
+    return now
 
 
 def single_trial(cfg: Config, study: str = ADHOC) -> Trial:

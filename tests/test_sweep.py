@@ -684,3 +684,16 @@ def test_a_trial_alone_on_the_node_computes_on_every_cpu(monkeypatch):
         assert slow.update() is None and torch.get_num_threads() == 1   # checks are spaced
     finally:
         torch.set_num_threads(before)
+
+
+def test_replay_of_measured_trial_times_waits_for_parents_and_fills_the_slots():
+    from pipeline.sweep import replay
+
+    trials = plan(load_config("default"), study="scale")   # eagle3-small, -large, hybrids and continued after them
+    took = {t.name: 600.0 if t.depends_on is None else 900.0 for t in trials}
+    by = {t.name: t for t in trials}
+    assert sum(1 for t in trials if t.depends_on) == 4 and sum(1 for t in trials if not t.depends_on) == 2
+    # 2 slots: both parents (600 s), then the four children two at a time (900 s each)
+    assert replay(trials, took, 2) == 600.0 + 900.0 + 900.0
+    assert replay(trials, took, 6) == 600.0 + 900.0
+    assert replay([by["eagle3-small"]], took, 2) == 600.0
