@@ -53,3 +53,17 @@ def test_anchor_prediction_reads_no_feature_after_its_position():
         assert torch.allclose(model(**changed, steps=steps), base)
         changed["features"][0, 2] += 5.0            # a feature before it
         assert not torch.allclose(model(**changed, steps=steps), base)
+
+
+def test_study_parts_replays_every_part_of_the_study_profile_from_the_committed_rows():
+    import subprocess
+
+    root = Path(__file__).resolve().parent.parent
+    out = subprocess.run([sys.executable, "benchmarks/study_parts.py"], cwd=root, capture_output=True, text=True,
+                         timeout=300)
+    assert out.returncode == 0, out.stderr
+    for part in ("injection/(whole)", "depth/seed0", "depth/seeds12", "hybrid/seed0", "scale/small-seed0",
+                 "block/blocks-seeds12", "block/ar-seed2"):
+        line = next(ln for ln in out.stdout.splitlines() if ln.startswith(f"| {part} |"))
+        replayed, total = (float(c.split()[0]) for c in (line.split("|")[3], line.split("|")[5]))
+        assert 0 < replayed < total
