@@ -326,14 +326,13 @@ def sweep(overrides: Optional[list[str]] = OverridesArg, profile: Optional[str] 
         trials = runner.plan(cfg, axes, study)
         parts = {} if axes else runner.check_parts(trials, cfg, study)
         wanted.update(_part_or_only(cfg, study, part, only))
-        whole = trials
         if wanted:
             trials = runner.plan_part(trials, wanted)
         cache = os.environ.get("KVSHOT_MODEL_CACHE")
         paths = Paths(root=rootp, cache=Path(cache) if cache else None)
         if dry_run:
             runner.show_plan(trials, console=Console(), paths=paths)
-            if parts and not wanted and whole:
+            if parts and not wanted:
                 runner.show_parts(parts, Console(), paths)
             return UNTIMED
         check_hardware(cfg)
