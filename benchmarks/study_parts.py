@@ -15,35 +15,10 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+from pipeline.budget import replayed_parts  # noqa: E402
 from pipeline.config import load_config  # noqa: E402
-from pipeline.sweep import Trial, check_parts, plan, replay, trial_matches  # noqa: E402
+from pipeline.sweep import check_parts, plan, trial_matches  # noqa: E402
 from stages.report import study_key  # noqa: E402
-from stages.train import DrafterParams  # noqa: E402
-
-# the row fields that tell one drafter setting from another (a row written before a field existed lacks it)
-SETTING = ("variant", "depth", "injection", "rope_fix", "init", "context", "no_target", "fc_norm", "norm_output")
-
-
-def setting_of(t: Trial) -> dict:
-    d = t.config.drafter
-    return {**{k: getattr(d, k) for k in SETTING}, "scale": t.config.train.scale, "seed": t.config.train.seed}
-
-
-def row_matches(row: dict, want: dict) -> bool:
-    """A row of the trial's setting; a field the row lacks (written before the field existed) held its default."""
-    default = DrafterParams().model_dump()
-    return all(row.get(k) == v or (row.get(k) is None and default.get(k, object()) == v) for k, v in want.items())
-
-
-def measured_seconds(trials: list[Trial], rows: list[dict]) -> dict[str, float]:
-    """Each trial's own training and evaluation time (`wall_s`) from the first row of its setting that has one."""
-    took = {}
-    for t in trials:
-        want = setting_of(t)
-        found = [r["wall_s"] for r in rows if isinstance(r.get("wall_s"), (int, float)) and row_matches(r, want)]
-        if found:
-            took[t.name] = float(found[0])
-    return took
 
 
 def main() -> None:
@@ -57,26 +32,23 @@ def main() -> None:
     print(f"data stages as recorded: {data_s / 60:.1f} min; slots: {cfg.ray.max_concurrent}")
     print("| part | trials | sweep replayed | decoding recorded | with the data stages |")
     print("| --- | --- | --- | --- | --- |")
+    replayed = replayed_parts(cfg, args.results / "metrics" / "stepwise")
     for study in cfg.studies:
-        path = args.results / "metrics" / "stepwise" / f"{study}.json"
-        rows = json.loads(path.read_text()) if path.is_file() else []
         trials = plan(cfg, study=study)
-        parts = check_parts(trials, cfg, study) or {"(whole)": trials}
-        for name, part in parts.items():
-            took = measured_seconds(part, rows)
-            missing = [t.name for t in part if t.name not in took]
-            if missing:
-                print(f"| {study}/{name} | {len(part)} | not measured: {', '.join(missing)} | | |")
+        for name, part in (check_parts(trials, cfg, study) or {"(whole)": trials}).items():
+            got = replayed[f"{study}/{name}"]
+            if "replayed_s" not in got:
+                print(f"| {study}/{name} | {len(part)} | not measured: {', '.join(got['missing'])} | | |")
                 continue
-            sweep_s = replay(part, took, cfg.ray.max_concurrent)
             only = cfg.studies[study].parts.get(name)
             decode = times.get(study_key("e2e", study, only)) if only else times.get(f"e2e:{study}")
-            decodes = cfg.studies[study].e2e is True or (isinstance(cfg.studies[study].e2e, dict) and any(
-                trial_matches(t, cfg.studies[study].e2e) for t in part))
+            wants = cfg.studies[study].e2e
+            decodes = wants is True or (isinstance(wants, dict) and any(trial_matches(t, wants) for t in part))
             decode_text = "–" if not decodes else f"{decode / 60:.1f} min" if isinstance(decode, (int, float)) \
                 else "not recorded for this part"
-            total = sweep_s + data_s + (decode if isinstance(decode, (int, float)) else 0.0)
-            print(f"| {study}/{name} | {len(part)} | {sweep_s / 60:.1f} min | {decode_text} | {total / 60:.1f} min |")
+            total = got["replayed_s"] + data_s + (decode if decodes and isinstance(decode, (int, float)) else 0.0)
+            print(f"| {study}/{name} | {len(part)} | {got['replayed_s'] / 60:.1f} min | {decode_text} | "
+                  f"{total / 60:.1f} min |")
 
 
 if __name__ == "__main__":

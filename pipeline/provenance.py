@@ -90,4 +90,19 @@ def provenance(cfg: Config, paths) -> dict:
         "studies": list(cfg.studies),
         "study_parts": {name: study.parts for name, study in cfg.studies.items() if study.parts},
         "parts_run": _read_json(Path(paths.root) / PARTS),
+        "parts_replayed": _replayed(cfg, paths),
     }
+
+
+def _replayed(cfg: Config, paths) -> dict:
+    """Each study part's trials replayed as one sweep from their measured rows (pipeline.budget); {} when the
+    profile names no parts."""
+    from pipeline.budget import replayed_parts
+    from pipeline.config import ConfigError
+
+    if not any(study.parts for study in cfg.studies.values()):
+        return {}
+    try:
+        return replayed_parts(cfg, Path(paths.root) / "metrics" / "stepwise")
+    except ConfigError:   # parts that no longer fit the plan: every sweep of the study says so
+        return {}

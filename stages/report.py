@@ -555,16 +555,26 @@ def _study_provenance(res: Results, context: dict) -> pd.DataFrame:
 
 
 def _parts_provenance(context: dict, budget_min: float | None) -> pd.DataFrame:
-    """Per study part (`studies.STUDY.parts`): its filter and, when it ran in one go (`kvshot repro --part`), that
-    run's wall time, the data stages' share, whether the workspace was fresh, and where and at which commit."""
+    """Per study part (`studies.STUDY.parts`; a study without parts is one, `(whole)`): its filter, its trials'
+    measured times replayed as one sweep (`parts_replayed`) and, when it ran in one go (`kvshot repro --part`),
+    that run's wall time, the data stages' share, whether the workspace was fresh, and where and at which
+    commit."""
     parts = context.get("study_parts") if isinstance(context.get("study_parts"), dict) else {}
     runs = context.get("parts_run") if isinstance(context.get("parts_run"), dict) else {}
+    replayed = context.get("parts_replayed") if isinstance(context.get("parts_replayed"), dict) else {}
+    if not parts:
+        return pd.DataFrame()
+    named_parts = {study: parts.get(study) or {"(whole)": {}} for study in context.get("studies") or parts}
     records = []
-    for study, named in parts.items():
-        for name, only in (named or {}).items():
+    for study, named in named_parts.items():
+        for name, only in named.items():
             run = runs.get(f"{study}/{name}")
+            got = replayed.get(f"{study}/{name}") or {}
             row = {"study": study, "part": name,
-                   "filter": " ".join(f"{k}={','.join(map(str, v))}" for k, v in (only or {}).items())}
+                   "filter": " ".join(f"{k}={','.join(map(str, v))}" for k, v in (only or {}).items()) or "–",
+                   "trials": str(got.get("trials", "–")),
+                   "trials' times replayed": f"{got['replayed_s'] / 60:.1f} min" if isinstance(
+                       got.get("replayed_s"), (int, float)) else "–"}
             if isinstance(run, dict) and isinstance(run.get("wall_s"), (int, float)):
                 wall, data = run["wall_s"] / 60, float(run.get("data_stages_s") or 0) / 60
                 row.update({"wall time (one go)": f"{wall:.1f} min",
@@ -711,8 +721,10 @@ def run(params: ReportParams, context: dict, paths: Paths, report: Report) -> No
     parts_prov = _parts_provenance(context, params.budget_min)
     if len(parts_prov):
         budget = f" (the budget: {params.budget_min:g} min each, from a fresh workspace)" if params.budget_min else ""
-        md += [f"Per part: the studies run in parts, each part in one go with `kvshot repro --part STUDY/PART`"
-               f"{budget}:", "", md_table(parts_prov), ""]
+        md += [f"Per part: each part of a study runs in one go with `kvshot repro --part STUDY/PART`{budget}; "
+               "its trials' times replayed: the wall times its trials' rows record, wherever they ran, replayed as "
+               "one sweep (`ray.max_concurrent` at a time, each child after its parent), before its data stages "
+               "and its decoding:", "", md_table(parts_prov), ""]
 
     for stale in sorted(fig_dir.glob("*.png")) if fig_dir.is_dir() else []:
         if stale.name not in written:   # a figure of a study that is gone must not linger

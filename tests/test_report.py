@@ -405,19 +405,24 @@ def test_each_part_states_its_one_go_wall_time_and_the_budget(tmp_path):
                               "machine": "2 CPU cores"},
             "scale/large": {"wall_s": 600.0, "data_stages_s": 3.0, "fresh": False, "commit": "def5678",
                             "machine": "another"}}
-    run(ReportParams(bootstrap_draws=400, budget_min=150), {**CONTEXT, "study_parts": parts, "parts_run": runs},
-        paths, lambda m: None)
+    replayed = {"depth/seed0": {"trials": 4, "replayed_s": 5400.0}, "depth/seeds12": {"trials": 4, "missing": ["x"]}}
+    run(ReportParams(bootstrap_draws=400, budget_min=150), {**CONTEXT, "study_parts": parts, "parts_run": runs,
+                                                            "parts_replayed": replayed}, paths, lambda m: None)
     prov = section((paths.reports / "README.md").read_text(), "Provenance")
     assert "the budget: 150 min each, from a fresh workspace" in prov
-    assert table_row(prov, "depth", "seed0")[2:] == ["train.seed=0", "120.0 min", "30.0 min, fresh workspace",
-                                                     "abc1234", "2 CPU cores", "yes"]
-    assert table_row(prov, "depth", "seeds12")[-1] == "no"
-    assert table_row(prov, "scale", "large")[3:] == ["10.0 min", "0.1 min, already there", "def5678", "another",
+    assert table_row(prov, "depth", "seed0")[2:] == ["train.seed=0", "4", "90.0 min", "120.0 min",
+                                                     "30.0 min, fresh workspace", "abc1234", "2 CPU cores", "yes"]
+    assert table_row(prov, "depth", "seeds12")[3:5] == ["4", "–"] and table_row(prov, "depth", "seeds12")[-1] == "no"
+    assert table_row(prov, "scale", "large")[5:] == ["10.0 min", "0.1 min, already there", "def5678", "another",
                                                      "– (not from a fresh workspace)"]
+    assert table_row(prov, "injection", "(whole)")[2:6] == ["–", "–", "–", "not run in one go"]   # no parts: one
     paths = project(tmp_path / "never")
     run(FAST, {**CONTEXT, "study_parts": {"scale": {"large": {"train.scale": ["large"]}}}}, paths, lambda m: None)
     prov = section((paths.reports / "README.md").read_text(), "Provenance")
-    assert table_row(prov, "scale", "large")[2:] == ["train.scale=large", "not run in one go", "–", "–", "–"]
+    assert table_row(prov, "scale", "large")[2:] == ["train.scale=large", "–", "–", "not run in one go", "–", "–", "–"]
+    paths = project(tmp_path / "none")
+    run(FAST, CONTEXT, paths, lambda m: None)   # a profile without parts: no such table
+    assert "Per part" not in (paths.reports / "README.md").read_text()
 
 
 def test_the_scale_sections_tie_note_reads_the_scale_decodings_only(tmp_path):

@@ -1,0 +1,30 @@
+"""A study part's budget from its trials' measured rows: the rows of each trial's setting found wherever they ran
+(rows written before a field existed match its default), replayed as one sweep."""
+import json
+
+from pipeline.budget import replayed_parts, row_matches
+from pipeline.config import load_config
+
+
+def row(variant, seed=0, wall=None, **fields):
+    return {"variant": variant, "depth": fields.pop("depth", 1), "injection": "linear", "rope_fix": False,
+            "init": fields.pop("init", "ckpt"), "scale": "small", "seed": seed, "wall_s": wall, **fields}
+
+
+def test_rows_lacking_a_newer_field_match_its_default_only():
+    old = row("eagle3")   # no fc_norm, norm_output, context, no_target: written before they existed
+    want = {"variant": "eagle3", "depth": 1, "init": "ckpt", "fc_norm": False, "context": "hidden", "seed": 0}
+    assert row_matches(old, want)
+    assert not row_matches(old, {**want, "fc_norm": True})
+    assert not row_matches(old, {**want, "seed": 1})
+
+
+def test_parts_replay_their_trials_rows_and_name_the_ones_without(tmp_path):
+    cfg = load_config("smoke")   # block study: parts `blocks` (hidden, kv) and `autoregressive` (eagle3, eagle3.1)
+    rows = [row("block", wall=600.0, context="hidden"), row("block", wall=900.0, context="kv"),
+            row("eagle3", wall=300.0)]
+    (tmp_path / "block.json").write_text(json.dumps(rows))
+    got = replayed_parts(cfg, tmp_path)
+    assert got["block/blocks"] == {"trials": 2, "replayed_s": 900.0}   # two at a time
+    assert got["block/autoregressive"]["missing"] == ["eagle3.1"]
+    assert got["depth/(whole)"]["missing"]                              # no rows at all
