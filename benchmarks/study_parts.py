@@ -17,7 +17,6 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from pipeline.budget import replayed_parts  # noqa: E402
 from pipeline.config import load_config  # noqa: E402
-from pipeline.sweep import check_parts, plan, trial_matches  # noqa: E402
 from stages.report import study_key  # noqa: E402
 
 
@@ -32,24 +31,18 @@ def main() -> None:
     print(f"data stages as recorded: {data_s / 60:.1f} min; slots: {cfg.ray.max_concurrent}")
     print("| part | trials | sweep replayed | decoding recorded | with the data stages |")
     print("| --- | --- | --- | --- | --- |")
-    replayed = replayed_parts(cfg, args.results / "metrics" / "stepwise")
-    for study in cfg.studies:
-        trials = plan(cfg, study=study)
-        for name, part in (check_parts(trials, cfg, study) or {"(whole)": trials}).items():
-            got = replayed[f"{study}/{name}"]
-            if "replayed_s" not in got:
-                print(f"| {study}/{name} | {len(part)} | not measured: {', '.join(got['missing'])} | | |")
-                continue
-            only = cfg.studies[study].parts.get(name)
-            decode = times.get(study_key("e2e", study, only)) if only else times.get(f"e2e:{study}")
-            wants = cfg.studies[study].e2e
-            decodes = wants is True or (isinstance(wants, dict) and any(trial_matches(t, wants) for t in part))
-            decode_text = "–" if not decodes else f"{decode / 60:.1f} min" if isinstance(decode, (int, float)) \
-                else "not recorded for this part"
-            total = got["replayed_s"] + data_s + (decode if decodes and isinstance(decode, (int, float)) else 0.0)
-            print(f"| {study}/{name} | {len(part)} | {got['replayed_s'] / 60:.1f} min | {decode_text} | "
-                  f"{total / 60:.1f} min |")
-
+    for key, got in replayed_parts(cfg, args.results / "metrics" / "stepwise").items():
+        if "replayed_s" not in got:
+            print(f"| {key} | {got['trials']} | not measured: {', '.join(got['missing'])} | | |")
+            continue
+        study, _, name = key.partition("/")
+        only = cfg.studies[study].parts.get(name)
+        decode = times.get(study_key("e2e", study, only)) if only else times.get(f"e2e:{study}")
+        recorded = got["decodes"] and isinstance(decode, (int, float))
+        decode_text = "–" if not got["decodes"] else f"{decode / 60:.1f} min" if recorded else \
+            "not recorded for this part"
+        total = got["replayed_s"] + data_s + (decode if recorded else 0.0)
+        print(f"| {key} | {got['trials']} | {got['replayed_s'] / 60:.1f} min | {decode_text} | {total / 60:.1f} min |")
 
 if __name__ == "__main__":
     main()

@@ -8,12 +8,13 @@ import json
 from pathlib import Path
 
 from pipeline.config import Config
-from pipeline.sweep import Trial, check_parts, plan, replay
+from pipeline.sweep import Trial, check_parts, decodes_any, plan, replay
 from stages.train import DrafterParams
 
 # the row fields that tell one drafter setting from another (a row written before a field existed lacks it)
 SETTING = ("variant", "depth", "injection", "rope_fix", "init", "context", "no_target", "fc_norm", "norm_output")
 WHOLE = "(whole)"   # the one part of a study that names none
+_DEFAULTS = DrafterParams().model_dump()
 
 
 def setting_of(t: Trial) -> dict:
@@ -23,8 +24,7 @@ def setting_of(t: Trial) -> dict:
 
 def row_matches(row: dict, want: dict) -> bool:
     """A row of the trial's setting; a field the row lacks (written before the field existed) held its default."""
-    default = DrafterParams().model_dump()
-    return all(row.get(k) == v or (row.get(k) is None and default.get(k, object()) == v) for k, v in want.items())
+    return all(row.get(k) == v or (row.get(k) is None and _DEFAULTS.get(k, object()) == v) for k, v in want.items())
 
 
 def measured_seconds(trials: list[Trial], rows: list[dict]) -> dict[str, float]:
@@ -40,9 +40,9 @@ def measured_seconds(trials: list[Trial], rows: list[dict]) -> dict[str, float]:
 
 
 def replayed_parts(cfg: Config, stepwise: Path) -> dict[str, dict]:
-    """Per part `STUDY/PART` (a study without parts is one, `STUDY/(whole)`): its trial count and, when every trial
-    has a measured row in `stepwise/STUDY.json`, the seconds its trials take replayed as one sweep, else the
-    trials without one."""
+    """Per part `STUDY/PART` (a study without parts is one, `STUDY/(whole)`): its trial count, whether the study
+    decodes some of them end to end and, when every trial has a measured row in `stepwise/STUDY.json`, the seconds
+    its trials take replayed as one sweep, else the trials without one."""
     out: dict[str, dict] = {}
     for study in cfg.studies:
         path = Path(stepwise) / f"{study}.json"
@@ -54,6 +54,7 @@ def replayed_parts(cfg: Config, stepwise: Path) -> dict[str, dict]:
         for name, part in (check_parts(trials, cfg, study) or {WHOLE: trials}).items():
             took = measured_seconds(part, rows if isinstance(rows, list) else [])
             missing = [t.name for t in part if t.name not in took]
-            out[f"{study}/{name}"] = {"trials": len(part), "missing": missing} if missing else \
-                {"trials": len(part), "replayed_s": round(replay(part, took, cfg.ray.max_concurrent), 1)}
+            got = {"trials": len(part), "decodes": decodes_any(cfg, study, part)}
+            out[f"{study}/{name}"] = {**got, "missing": missing} if missing else \
+                {**got, "replayed_s": round(replay(part, took, cfg.ray.max_concurrent), 1)}
     return out

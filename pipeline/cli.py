@@ -374,9 +374,8 @@ def _repro_part(cfg: Config, profile: str, spec: str) -> int:
     trials = runner.plan(cfg, {}, study)
     runner.check_parts(trials, cfg, study)
     mine = runner.plan_part(trials, runner.part_filter(cfg, study, part))
-    wants = cfg.studies[study].e2e
-    decode = wants is True or (isinstance(wants, dict) and any(runner.trial_matches(t, wants) for t in mine))
-    return repro_part(cfg, profile, study, part, decode, echo=lambda line: console.print(line, highlight=False))
+    return repro_part(cfg, profile, study, part, runner.decodes_any(cfg, study, mine),
+                      echo=lambda line: console.print(line, highlight=False))
 
 
 def write_curves(paths, study: str) -> None:

@@ -236,6 +236,12 @@ def plan_part(trials: list[Trial], only: dict[str, list[Any]]) -> list[Trial]:
     return [t for t in trials if t.name in kept]
 
 
+def decodes_any(cfg: Config, study: str, trials: list[Trial]) -> bool:
+    """Whether the study decodes some of these trials end to end (its `e2e`: all of them, or a filter)."""
+    wants = cfg.studies[study].e2e
+    return wants is True or (isinstance(wants, dict) and any(trial_matches(t, wants) for t in trials))
+
+
 def part_filter(cfg: Config, study: str | None, part: str) -> dict[str, list[Any]]:
     """The `--only` filter of the named part of a study (`studies.STUDY.parts.PART`)."""
     spec = cfg.studies.get(study) if study else None
