@@ -1,7 +1,8 @@
 """What each part of a profile's studies would take in one go from a fresh workspace, from the committed rows'
 measured trial times: the part's trials replayed as one sweep (`pipeline.sweep.replay`: `ray.max_concurrent` at a
 time, each child after its parent, in the sweep's own order), plus the data stages and the part's end-to-end
-decoding as the results folder's stage times record them. A study without parts is one part.
+decoding as the results folder's stage times record them; beside it, the part's wall time when it ran in one go
+(`kvshot repro --part`, the folder's parts.json). A study without parts is one part.
 
     python benchmarks/study_parts.py                       # the study profile against results/study/
     python benchmarks/study_parts.py --profile study --results results/study
@@ -28,12 +29,14 @@ def main() -> None:
     cfg = load_config(args.profile)
     times = json.loads((args.results / "timings.json").read_text())
     data_s = sum(times.get(k, 0.0) for k in ("prepare", "regenerate", "features"))
+    parts_file = args.results / "parts.json"
+    in_one_go = json.loads(parts_file.read_text()) if parts_file.is_file() else {}
     print(f"data stages as recorded: {data_s / 60:.1f} min; slots: {cfg.ray.max_concurrent}")
-    print("| part | trials | sweep replayed | decoding recorded | with the data stages |")
-    print("| --- | --- | --- | --- | --- |")
+    print("| part | trials | sweep replayed | decoding recorded | with the data stages | measured in one go |")
+    print("| --- | --- | --- | --- | --- | --- |")
     for key, got in replayed_parts(cfg, args.results / "metrics" / "stepwise").items():
         if "replayed_s" not in got:
-            print(f"| {key} | {got['trials']} | not measured: {', '.join(got['missing'])} | | |")
+            print(f"| {key} | {got['trials']} | not measured: {', '.join(got['missing'])} | | | |")
             continue
         study, _, name = key.partition("/")
         only = cfg.studies[study].parts.get(name)
@@ -42,7 +45,11 @@ def main() -> None:
         decode_text = "–" if not got["decodes"] else f"{decode / 60:.1f} min" if recorded else \
             "not recorded for this part"
         total = got["replayed_s"] + data_s + (decode if recorded else 0.0)
-        print(f"| {key} | {got['trials']} | {got['replayed_s'] / 60:.1f} min | {decode_text} | {total / 60:.1f} min |")
+        run = in_one_go.get(key)
+        measured = "–" if not run else \
+            f"{run['wall_s'] / 60:.1f} min{', fresh workspace' if run.get('fresh') else ''} ({run.get('commit', '?')})"
+        print(f"| {key} | {got['trials']} | {got['replayed_s'] / 60:.1f} min | {decode_text} | {total / 60:.1f} min "
+              f"| {measured} |")
 
 if __name__ == "__main__":
     main()

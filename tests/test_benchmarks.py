@@ -1,4 +1,5 @@
 """The benchmarks' own reference code: the rebuilt SpecForge anchor that training throughput is stated against."""
+import json
 import sys
 from pathlib import Path
 
@@ -67,3 +68,7 @@ def test_study_parts_replays_every_part_of_the_study_profile_from_the_committed_
         line = next(ln for ln in out.stdout.splitlines() if ln.startswith(f"| {part} |"))
         replayed, total = (float(c.split()[0]) for c in (line.split("|")[3], line.split("|")[5]))
         assert 0 < replayed < total
+    # a part run in one go shows its recorded wall time beside the estimate
+    for part, run in json.loads((root / "results/study/parts.json").read_text()).items():
+        line = next(ln for ln in out.stdout.splitlines() if ln.startswith(f"| {part} |"))
+        assert line.split("|")[6].strip().startswith(f"{run['wall_s'] / 60:.1f} min")
