@@ -10,7 +10,7 @@ export MLFLOW_DISABLE_TELEMETRY := true
 export HF_HUB_OFFLINE := 1
 export TOKENIZERS_PARALLELISM := false
 
-.PHONY: setup browser repro test test-fast bench study-results
+.PHONY: setup browser repro test test-fast bench study-results gpu-check
 
 setup: $(STAMP)
 
@@ -51,4 +51,9 @@ study-results: setup
 	$(BIN)/kvshot study-results $(STUDY_WS)
 
 bench: setup
-	for f in benchmarks/*.py; do $(BIN)/python $$f || exit 1; done
+	for f in benchmarks/*.py; do [ $$f = benchmarks/gpu_check.py ] || $(BIN)/python $$f || exit 1; done
+
+# The CUDA check (a GPU machine's own python3 with a CUDA PyTorch; the project's .venv holds the CPU build): every
+# `gpu` test, then one TTT step per drafter at the paper's shapes. Writes scratch/gpu_check/ (or $$OUT).
+gpu-check:
+	PYTHONUNBUFFERED=1 $(PYTHON) benchmarks/gpu_check.py

@@ -11,9 +11,10 @@ blocks with one joint softmax:
   (K*T) x (K*T) mask or score matrix: the diagonal keys cost O(T) dot products.
 
 The blocks share one softmax, exactly the softmax over the concatenated keys; scores and the softmax run in fp32
-even under bf16 autocast. The TTT unroll's pair (causal prefix, diag chain) has a fused path on CPU
-(`_CausalChainAttention`): the prefix runs in PyTorch's flash kernel, which skips the masked half and never
-materialises the [n, n] scores, and the chain is merged in by log-sum-exp.
+even under bf16 autocast. The TTT unroll's pair (causal prefix, diag chain) has a fused path on CPU and CUDA
+(`_CausalChainAttention`): the prefix runs in a PyTorch flash / memory-efficient kernel (`models.attention.
+causal_with_lse`), which skips the masked half and never materialises the [n, n] scores, and the chain is merged
+in by log-sum-exp.
 
 `attend_block` is the block drafters' variant: n rows of J queries each (an anchor's block), every query of a row
 sees the row's dense blocks (the context) and all J keys of its own row (bidirectional within the block). On CPU
@@ -22,8 +23,8 @@ per block offset j, the row's own J x J scores as one batched matmul, merged by 
 
 A dense block may also serve a *subset* of its layout's queries (`rows`): the TTT unroll runs its later steps only
 at the positions that carry loss, so n queries (flat positions b * S + s of the block's [B, S] layout) attend to the
-full causal prefix of their own sequence. On CPU the queries are scattered into the [B, S] layout for the flash
-kernel alone (attention is a small share of the work; the projections and the MLP run on the n rows only).
+full causal prefix of their own sequence. On CPU and CUDA the queries are scattered into the [B, S] layout for
+the flash kernel alone (attention is a small share of the work; the projections and the MLP run on the n rows only).
 """
 from __future__ import annotations
 
@@ -34,6 +35,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from models.attention import attend as backend_attend
+from models.attention import causal_lse_kernel, causal_with_lse, causal_with_lse_backward
 
 class RMSNorm(nn.Module):
     def __init__(self, dim: int, eps: float = 1e-6):
@@ -122,7 +124,7 @@ def attend(q: torch.Tensor, blocks: list[KeyBlock], scale: float | None = None) 
         masks = [b.dense_mask() for b in blocks]
         mask = None if all(m is None for m in masks) else _union_mask(q, blocks, masks)
         return backend_attend(q, k, v, mask=mask, scale=scale)
-    if (len(blocks) == 2 and blocks[0].causal and blocks[1].diag and q.device.type == "cpu"
+    if (len(blocks) == 2 and blocks[0].causal and blocks[1].diag and causal_lse_kernel(q) is not None
             and q.shape[-2] == blocks[0].k.shape[-2]):
         dt = q.dtype
         return _CausalChainAttention.apply(q, blocks[0].k.to(dt), blocks[0].v.to(dt), blocks[1].k, blocks[1].v, scale)
@@ -177,7 +179,7 @@ def _attend_rows(q: torch.Tensor, blocks: list[KeyBlock], scale: float) -> torch
         raise ValueError("attend: a dense block with query rows takes at most one diag block beside it")
     chain = rest[0] if rest else None
     dt = q.dtype
-    if prefix.causal and q.device.type == "cpu":
+    if prefix.causal and causal_lse_kernel(q) is not None:
         kc, vc = (chain.k, chain.v) if chain is not None else (None, None)
         return _CausalChainAttention.apply(q, prefix.k.to(dt), prefix.v.to(dt), kc, vc, scale, prefix.rows)
     # elsewhere (or under an explicit padding mask): per sequence, a masked dense block of its own keys plus the chain
@@ -203,10 +205,10 @@ def _attend_rows(q: torch.Tensor, blocks: list[KeyBlock], scale: float) -> torch
 
 
 class _CausalChainAttention(torch.autograd.Function):
-    """attend() for [causal prefix of n keys, diag chain of J keys per query] on CPU, fused.
+    """attend() for [causal prefix of n keys, diag chain of J keys per query], fused (CPU and CUDA).
 
-    Forward: the prefix through PyTorch's CPU flash kernel (output and log-sum-exp), the chain as O(n*J) dot
-    products, merged by log-sum-exp. Backward: the same flash kernel's backward, handed the merged output and
+    Forward: the prefix through a PyTorch flash kernel (`causal_with_lse`: output and log-sum-exp), the chain as
+    O(n*J) dot products, merged by log-sum-exp. Backward: the same kernel's backward, handed the merged output and
     log-sum-exp, gives the prefix's gradients under the joint softmax exactly (its probabilities are
     exp(s - lse) and its rowsum(dO * O) term is the joint one), and the chain's gradients are written out.
     Nothing of size n x n is kept between forward and backward.
@@ -220,7 +222,7 @@ class _CausalChainAttention(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, v, kc, vc, scale: float, rows=None):
         qf = q if rows is None else _put_rows(q.new_zeros(k.shape[:3] + q.shape[-1:]), rows, q)
-        o1f, lse1f = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(qf, k, v, 0.0, True, scale=scale)
+        o1f, lse1f, state = causal_with_lse(qf, k, v, scale)
         o1, lse1 = (o1f, lse1f) if rows is None else (take_rows(o1f, rows), take_rows(lse1f, rows))
         if kc is None:
             out, lse, p2 = o1, lse1, None
@@ -235,7 +237,7 @@ class _CausalChainAttention(torch.autograd.Function):
         else:   # the flash backward reads the whole layout: the merged values at the rows, its own elsewhere
             ctx.save_for_backward(qf, k, v, kc, vc, out, lse, p2, _put_rows(o1f, rows, out),
                                   _put_rows(lse1f, rows, lse), rows)
-        ctx.scale, ctx.has_rows = scale, rows is not None
+        ctx.scale, ctx.has_rows, ctx.kernel_state = scale, rows is not None, state
         return out
 
     @staticmethod
@@ -246,12 +248,10 @@ class _CausalChainAttention(torch.autograd.Function):
         if ctx.has_rows:
             out_f, lse_f, rows = saved[8:]
             g_f = _put_rows(q.new_zeros(out_f.shape), rows, g)
-            dq, dk, dv = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
-                g_f, q, k, v, out_f, lse_f, 0.0, True, scale=ctx.scale)
+            dq, dk, dv = causal_with_lse_backward(g_f, q, k, v, out_f, lse_f, ctx.kernel_state, ctx.scale)
             dq, q = take_rows(dq, rows), take_rows(q, rows)
         else:
-            dq, dk, dv = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
-                g, q, k, v, out, lse, 0.0, True, scale=ctx.scale)
+            dq, dk, dv = causal_with_lse_backward(g, q, k, v, out, lse, ctx.kernel_state, ctx.scale)
         if kc is None:
             return dq.to(q.dtype), dk, dv, None, None, None, None
         gf = g.float()
@@ -270,8 +270,9 @@ def attend_block(q: torch.Tensor, blocks: list[KeyBlock], k_own: torch.Tensor, v
     `[B, H, n, J, hd]`. Returns `[B, H, n, J, hd]`.
 
     CPU with causal blocks only: fused (`_CausalBlockAttention`). Elsewhere (other devices, masked blocks): one
-    `attend` call per offset j with the row's keys as a diag block -- the generic path, nothing of size
-    (n*J)^2 either way.
+    `attend` call per offset j with the row's keys as a diag block -- on CUDA with one causal context block that is
+    the fused chain kernel (`_CausalChainAttention`), otherwise the generic masked path; nothing of size (n*J)^2
+    either way.
     """
     scale = q.shape[-1] ** -0.5 if scale is None else scale
     n = q.shape[2]

@@ -36,7 +36,7 @@ def tiny(arch: str = "llama", **kw):
 
 def capture(target, B: int = 2, T: int = 12, seed: int = 0):
     g = torch.Generator().manual_seed(seed)
-    ids = torch.randint(0, target.vocab_size, (B, T), generator=g)
+    ids = torch.randint(0, target.vocab_size, (B, T), generator=g).to(target.device)
     cap = target.capture(ids, with_logits=True)
     return ids, torch.cat(cap.features, -1), cap.kv, cap.logits
 
@@ -62,18 +62,19 @@ def naive_logits(drafter: Drafter, input_ids, features, target_kv, steps: int) -
     Returns [K, B, T, V_draft], NaN where token t+1+k does not exist."""
     B, T = input_ids.shape
     cfg = drafter.config
-    out = torch.full((steps, B, T, cfg.draft_vocab_size), float("nan"))
+    dev = input_ids.device
+    out = torch.full((steps, B, T, cfg.draft_vocab_size), float("nan"), device=dev)
     fused = drafter.fuse(features) if cfg.uses_features else None
     cache = DraftCache()
     for t in range(T - 1):
-        cache.select(torch.arange(t))                       # keep the step-0 entries of positions < t
+        cache.select(torch.arange(t, device=dev))                       # keep the step-0 entries of positions < t
         kv = [(k[:, :, :t + 1], v[:, :, :t + 1]) for k, v in target_kv] if cfg.reads_kv else None
         h = fused[:, t:t + 1] if fused is not None else None
         for k in range(steps):
             if t + 1 + k > T - 1:
                 break
-            mask = torch.ones(B, 1, len(cache) + 1, dtype=torch.bool)
-            pos = torch.full((B, 1), t + 1 + k)
+            mask = torch.ones(B, 1, len(cache) + 1, dtype=torch.bool, device=dev)
+            pos = torch.full((B, 1), t + 1 + k, device=dev)
             logits, h = drafter.step(input_ids[:, t + 1 + k:t + 2 + k], h, pos, cache, mask, kv, None)
             out[k, :, t] = logits[:, 0]
     return out

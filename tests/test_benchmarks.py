@@ -72,3 +72,34 @@ def test_study_parts_replays_every_part_of_the_study_profile_from_the_committed_
     for part, run in json.loads((root / "results/study/parts.json").read_text()).items():
         line = next(ln for ln in out.stdout.splitlines() if ln.startswith(f"| {part} |"))
         assert line.split("|")[6].strip().startswith(f"{run['wall_s'] / 60:.1f} min")
+
+
+def test_gpu_checks_hold_on_the_cpu():
+    """The `gpu` tests (tests/test_gpu.py, run on a GPU by benchmarks/gpu_check.py) run on the CPU too, so they are
+    exercised where no GPU is; the two that read the CUDA allocator skip."""
+    import os
+    import subprocess
+
+    root = Path(__file__).resolve().parent.parent
+    env = dict(os.environ, KVSHOT_GPU_TEST_DEVICE="cpu")
+    out = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "tests/test_gpu.py"],
+                         cwd=root, env=env, capture_output=True, text=True, timeout=900)
+    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-2000:]
+    assert "124 passed, 2 skipped" in out.stdout, out.stdout[-1000:]
+
+
+def test_gpu_check_summary_compares_the_fused_path_with_the_masked_one():
+    import benchmarks.gpu_check as gpu_check
+    import models.layers
+
+    rows = [dict(drafter="eagle3", attention="fused", step_s=0.3, peak_step_GiB=6.0, resident_GiB=9.0,
+                 loss_tokens_per_s=100),
+            dict(drafter="eagle3", attention="masked", step_s=0.4, peak_step_GiB=12.0, resident_GiB=9.0,
+                 loss_tokens_per_s=75),
+            dict(drafter="hybrid", attention="fused", error="RuntimeError: out of memory")]
+    table = gpu_check.summary_table(rows).splitlines()
+    assert table[1].split() == ["eagle3", "0.300", "1.00", "6.00", "9.00", "100", "0.75", "0.50"]
+    assert table[2].startswith("hybrid") and "FAILED RuntimeError" in table[2]
+    with gpu_check.attention_path(masked=True):
+        assert models.layers.causal_lse_kernel(torch.zeros(1, 1, 4, 8)) is None
+    assert models.layers.causal_lse_kernel(torch.zeros(1, 1, 4, 8)) == "cpu_flash"
