@@ -12,7 +12,7 @@ blocks with one joint softmax:
 
 The blocks share one softmax, exactly the softmax over the concatenated keys; scores and the softmax run in fp32
 even under bf16 autocast. The TTT unroll's pair (causal prefix, diag chain) has a fused path on CPU and CUDA
-(`_CausalChainAttention`): the prefix runs in a PyTorch flash / memory-efficient kernel (`models.attention.
+(`_CausalChainAttention`, which takes several causal prefixes too): the prefix runs in a PyTorch flash / memory-efficient kernel (`models.attention.
 causal_with_lse`), which skips the masked half and never materialises the [n, n] scores, and the chain is merged
 in by log-sum-exp.
 
@@ -124,10 +124,10 @@ def attend(q: torch.Tensor, blocks: list[KeyBlock], scale: float | None = None) 
         masks = [b.dense_mask() for b in blocks]
         mask = None if all(m is None for m in masks) else _union_mask(q, blocks, masks)
         return backend_attend(q, k, v, mask=mask, scale=scale)
-    if (len(blocks) == 2 and blocks[0].causal and blocks[1].diag and causal_lse_kernel(q) is not None
-            and q.shape[-2] == blocks[0].k.shape[-2]):
-        dt = q.dtype
-        return _CausalChainAttention.apply(q, blocks[0].k.to(dt), blocks[0].v.to(dt), blocks[1].k, blocks[1].v, scale)
+    if (len(blocks) >= 2 and blocks[-1].diag and all(b.causal and not b.diag for b in blocks[:-1])
+            and causal_lse_kernel(q) is not None and all(b.k.shape[-2] == q.shape[-2] for b in blocks[:-1])):
+        kv = [t.to(q.dtype) for b in blocks[:-1] for t in (b.k, b.v)]
+        return _CausalChainAttention.apply(q, blocks[-1].k, blocks[-1].v, scale, None, *kv)
     q = q * scale
     scores = []
     for b in blocks:
@@ -181,7 +181,7 @@ def _attend_rows(q: torch.Tensor, blocks: list[KeyBlock], scale: float) -> torch
     dt = q.dtype
     if prefix.causal and causal_lse_kernel(q) is not None:
         kc, vc = (chain.k, chain.v) if chain is not None else (None, None)
-        return _CausalChainAttention.apply(q, prefix.k.to(dt), prefix.v.to(dt), kc, vc, scale, prefix.rows)
+        return _CausalChainAttention.apply(q, kc, vc, scale, prefix.rows, prefix.k.to(dt), prefix.v.to(dt))
     # elsewhere (or under an explicit padding mask): per sequence, a masked dense block of its own keys plus the chain
     B, _, S, _ = prefix.k.shape
     rows = prefix.rows
@@ -205,62 +205,76 @@ def _attend_rows(q: torch.Tensor, blocks: list[KeyBlock], scale: float) -> torch
 
 
 class _CausalChainAttention(torch.autograd.Function):
-    """attend() for [causal prefix of n keys, diag chain of J keys per query], fused (CPU and CUDA).
+    """attend() for [causal prefixes of n keys each, diag chain of J keys per query], fused (CPU and CUDA).
 
-    Forward: the prefix through a PyTorch flash kernel (`causal_with_lse`: output and log-sum-exp), the chain as
-    O(n*J) dot products, merged by log-sum-exp. Backward: the same kernel's backward, handed the merged output and
-    log-sum-exp, gives the prefix's gradients under the joint softmax exactly (its probabilities are
+    Forward: each prefix through a PyTorch flash kernel (`causal_with_lse`: output and log-sum-exp), the chain as
+    O(n*J) dot products, all merged by log-sum-exp. Backward: each prefix's kernel backward, handed the merged output
+    and log-sum-exp, gives that prefix's gradients under the joint softmax exactly (its probabilities are
     exp(s - lse) and its rowsum(dO * O) term is the joint one), and the chain's gradients are written out.
-    Nothing of size n x n is kept between forward and backward.
+    Nothing of size n x n is kept between forward and backward. The TTT unroll has one prefix (step 0's keys or the
+    target's), a block drafter reading both context sources two.
 
-    With `rows` the n queries are flat positions of the prefix's [B, S] layout: they are scattered there (zero
+    With `rows` the n queries are flat positions of the prefixes' [B, S] layout: they are scattered there (zero
     queries elsewhere) for the flash kernel, whose outputs are gathered back; in backward the other positions get a
     zero output gradient, so they add nothing to the keys' gradients. Without a chain (kc None) it is the causal
-    prefix alone.
+    prefixes alone. `kv` holds the prefixes' keys and values flat: k, v, k, v, ...
     """
 
     @staticmethod
-    def forward(ctx, q, k, v, kc, vc, scale: float, rows=None):
-        qf = q if rows is None else _put_rows(q.new_zeros(k.shape[:3] + q.shape[-1:]), rows, q)
-        o1f, lse1f, state = causal_with_lse(qf, k, v, scale)
-        o1, lse1 = (o1f, lse1f) if rows is None else (take_rows(o1f, rows), take_rows(lse1f, rows))
-        if kc is None:
-            out, lse, p2 = o1, lse1, None
-        else:
+    def forward(ctx, q, kc, vc, scale: float, rows, *kv):
+        qf = q if rows is None else _put_rows(q.new_zeros(kv[0].shape[:3] + q.shape[-1:]), rows, q)
+        full, outs, lses, states = [], [], [], []
+        for k, v in zip(kv[0::2], kv[1::2]):
+            o_f, lse_f, state = causal_with_lse(qf, k, v, scale)
+            full.append((o_f, lse_f))
+            outs.append(o_f if rows is None else take_rows(o_f, rows))
+            lses.append(lse_f if rows is None else take_rows(lse_f, rows))
+            states.append(state)
+        lse, p2 = lses[0], None
+        for other in lses[1:]:
+            lse = torch.logaddexp(lse, other)
+        if kc is not None:
             s2 = (q.float().unsqueeze(-2) * kc.float()).sum(-1).mul_(scale)          # [B, H, n, J]
-            lse = torch.logaddexp(lse1, torch.logsumexp(s2, -1))
+            lse = torch.logaddexp(lse, torch.logsumexp(s2, -1))
             p2 = torch.exp(s2 - lse.unsqueeze(-1))
-            out = torch.exp(lse1 - lse).unsqueeze(-1) * o1.float() + (p2.unsqueeze(-1) * vc.float()).sum(-2)
+        if len(outs) == 1 and kc is None:
+            out = outs[0]
+        else:
+            out = sum(torch.exp(l - lse).unsqueeze(-1) * o.float() for o, l in zip(outs, lses))
+            if kc is not None:
+                out = out + (p2.unsqueeze(-1) * vc.float()).sum(-2)
             out = out.to(q.dtype)
-        if rows is None:
-            ctx.save_for_backward(q, k, v, kc, vc, out, lse, p2)
-        else:   # the flash backward reads the whole layout: the merged values at the rows, its own elsewhere
-            ctx.save_for_backward(qf, k, v, kc, vc, out, lse, p2, _put_rows(o1f, rows, out),
-                                  _put_rows(lse1f, rows, lse), rows)
-        ctx.scale, ctx.has_rows, ctx.kernel_state = scale, rows is not None, state
+        # the kernels' backward reads the whole layout: the merged values at the rows, each kernel's own elsewhere
+        layouts = [] if rows is None else [t for o_f, lse_f in full
+                                           for t in (_put_rows(o_f, rows, out), _put_rows(lse_f, rows, lse))]
+        ctx.save_for_backward(qf, kc, vc, out, lse, p2, rows, *kv, *layouts)
+        ctx.scale, ctx.kernel_states = scale, states
         return out
 
     @staticmethod
     def backward(ctx, g):
-        saved = ctx.saved_tensors
-        q, k, v, kc, vc, out, lse, p2 = saved[:8]
-        g = g.to(q.dtype).contiguous()
-        if ctx.has_rows:
-            out_f, lse_f, rows = saved[8:]
-            g_f = _put_rows(q.new_zeros(out_f.shape), rows, g)
-            dq, dk, dv = causal_with_lse_backward(g_f, q, k, v, out_f, lse_f, ctx.kernel_state, ctx.scale)
-            dq, q = take_rows(dq, rows), take_rows(q, rows)
-        else:
-            dq, dk, dv = causal_with_lse_backward(g, q, k, v, out, lse, ctx.kernel_state, ctx.scale)
+        qf, kc, vc, out, lse, p2, rows, *rest = ctx.saved_tensors
+        n_pre = len(ctx.kernel_states)
+        kv, layouts = rest[:2 * n_pre], rest[2 * n_pre:]
+        g = g.to(qf.dtype).contiguous()
+        g_f = g if rows is None else _put_rows(qf.new_zeros(qf.shape), rows, g)
+        dq, grads = None, []
+        for i, state in enumerate(ctx.kernel_states):
+            o_i, lse_i = (out, lse) if rows is None else (layouts[2 * i], layouts[2 * i + 1])
+            dq_i, dk, dv = causal_with_lse_backward(g_f, qf, kv[2 * i], kv[2 * i + 1], o_i, lse_i, state, ctx.scale)
+            dq_i = dq_i if rows is None else take_rows(dq_i, rows)
+            dq = dq_i if dq is None else dq.float() + dq_i.float()
+            grads += [dk, dv]
+        q = qf if rows is None else take_rows(qf, rows)
         if kc is None:
-            return dq.to(q.dtype), dk, dv, None, None, None, None
+            return dq.to(q.dtype), None, None, None, None, *grads
         gf = g.float()
         D = (gf * out.float()).sum(-1, keepdim=True)                             # rowsum(dO * O)
         ds2 = p2 * ((gf.unsqueeze(-2) * vc.float()).sum(-1) - D)                 # [B, H, n, J]
         dq = dq.float() + ctx.scale * (ds2.unsqueeze(-1) * kc.float()).sum(-2)
         dkc = (ctx.scale * ds2).unsqueeze(-1) * q.float().unsqueeze(-2)
         dvc = p2.unsqueeze(-1) * gf.unsqueeze(-2)
-        return dq.to(q.dtype), dk, dv, dkc.to(kc.dtype), dvc.to(vc.dtype), None, None
+        return dq.to(q.dtype), dkc.to(kc.dtype), dvc.to(vc.dtype), None, None, *grads
 
 
 def attend_block(q: torch.Tensor, blocks: list[KeyBlock], k_own: torch.Tensor, v_own: torch.Tensor,
@@ -270,7 +284,7 @@ def attend_block(q: torch.Tensor, blocks: list[KeyBlock], k_own: torch.Tensor, v
     `[B, H, n, J, hd]`. Returns `[B, H, n, J, hd]`.
 
     CPU with causal blocks only: fused (`_CausalBlockAttention`). Elsewhere (other devices, masked blocks): one
-    `attend` call per offset j with the row's keys as a diag block -- on CUDA with one causal context block that is
+    `attend` call per offset j with the row's keys as a diag block -- on CUDA with causal context blocks that is
     the fused chain kernel (`_CausalChainAttention`), otherwise the generic masked path; nothing of size (n*J)^2
     either way.
     """

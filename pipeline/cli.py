@@ -70,13 +70,17 @@ def stage_run(cfg: Config, stage: str, paths):
     return tracked(cfg, stage, paths)
 
 
-def _setup(profile: Optional[str], overrides: Optional[list[str]], root: Path) -> tuple[Config, "Paths"]:
+def _setup(profile: Optional[str], overrides: Optional[list[str]], root: Path,
+           check: bool = True) -> tuple[Config, "Paths"]:
+    """The config and paths of a command; check=False leaves `check_hardware` (which may print a warning) to the
+    caller, after it has checked its own arguments, so that bad input stays a one-line error."""
     from stages.common import Paths
 
     root = root.resolve()
     _STATE["root"] = root
     cfg = load_config(profile, overrides or [], root=root)
-    check_hardware(cfg)
+    if check:
+        check_hardware(cfg)
     cache = os.environ.get("KVSHOT_MODEL_CACHE")
     return cfg, Paths(root=root, cache=Path(cache) if cache else None)
 
@@ -154,10 +158,11 @@ def e2e(overrides: Optional[list[str]] = OverridesArg, profile: Optional[str] = 
     """Tree speculative decoding with the trained drafters -> metrics/e2e.json."""
     def body():
         from stages import e2e as stage
-        cfg, paths = _setup(profile, overrides, root)
+        cfg, paths = _setup(profile, overrides, root, check=False)
         if study is not None and study not in cfg.studies:
             _fail(f"--study {study}: not a study of this profile (it has {', '.join(cfg.studies) or 'none'})")
         wanted.update(_part_or_only(cfg, study, part, only))
+        check_hardware(cfg)
         run_dirs = _e2e_run_dirs(cfg, paths, study, wanted)
         if wanted and not run_dirs:
             what = f"--part {part}" if part else f"--only {' --only '.join(only or [])}"
@@ -374,6 +379,7 @@ def _repro_part(cfg: Config, profile: str, spec: str) -> int:
     trials = runner.plan(cfg, {}, study)
     runner.check_parts(trials, cfg, study)
     mine = runner.plan_part(trials, runner.part_filter(cfg, study, part))
+    check_hardware(cfg)
     return repro_part(cfg, profile, study, part, runner.decodes_any(cfg, study, mine),
                       echo=lambda line: console.print(line, highlight=False))
 
@@ -427,7 +433,7 @@ def repro(profile: Optional[str] = ProfileOpt,
     def body():
         from pipeline.dvc_workspace import repro as run_repro
         cfg = load_config(profile if profile not in (None, "") else "default")
-        check_hardware(cfg)
+        # the arguments first, so bad input is one line; then the hardware check (which may warn)
         if part is not None:
             if stage or force:
                 raise ConfigError(f"--part {part}: runs on its own, without --stage or --force")
@@ -440,6 +446,7 @@ def repro(profile: Optional[str] = ProfileOpt,
         if bad:
             raise ConfigError(f"--stage {bad[0]!r}: not a stage of profile {profile or 'default'}; choices: "
                               f"{', '.join(sorted(known))}")
+        check_hardware(cfg)
         code = run_repro(cfg, profile or "default", force=force, stages=stage)
         if code:
             _fail(f"dvc repro failed (exit {code}); finished stages are kept, run again to resume")

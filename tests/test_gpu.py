@@ -70,21 +70,45 @@ def test_fused_causal_chain_attention_equals_joint_softmax(dtype, subset):
         torch.testing.assert_close(a, b, **tol)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_fused_attention_over_two_causal_prefixes_equals_joint_softmax(dtype):
+    """Two causal prefixes and a chain (a block drafter reading the hidden states and the KV, per block offset):
+    the fused path equals the masked joint softmax over the three key sets, gradients too."""
+    B, H, S, J, hd = 2, 4, 53, 4, 64
+    q, k1, v1, k2, v2 = _leaves(dtype, *[(B, H, S, hd)] * 5, seed=4)
+    kc, vc = _leaves(dtype, (B, H, S, J, hd), (B, H, S, J, hd), seed=5)
+    assert causal_lse_kernel(q) is not None
+    tril = torch.ones(S, S, dtype=torch.bool, device=DEV).tril()
+    fused = layers.attend(q, [layers.KeyBlock(k1, v1, causal=True), layers.KeyBlock(k2, v2, causal=True),
+                              layers.KeyBlock(kc, vc, diag=True)])
+    plain = layers.attend(q, [layers.KeyBlock(k1, v1, tril), layers.KeyBlock(k2, v2, tril),
+                              layers.KeyBlock(kc, vc, diag=True)])
+    grad = torch.randn(fused.shape, generator=torch.Generator().manual_seed(6)).to(DEV, dtype)
+    leaves = (q, k1, v1, k2, v2, kc, vc)
+    tol = dict(atol=2e-4, rtol=2e-4) if dtype == torch.float32 else dict(atol=3e-2, rtol=3e-2)
+    torch.testing.assert_close(fused, plain, **tol)
+    for a, b in zip(torch.autograd.grad(fused, leaves, grad), torch.autograd.grad(plain, leaves, grad)):
+        torch.testing.assert_close(a, b, **tol)
+
+
 @pytest.mark.skipif(DEV.type != "cuda", reason="peak memory is read from the CUDA allocator")
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
-def test_cuda_ttt_attention_allocates_no_square_scores(dtype):
-    """Forward and backward of the TTT attention (causal prefix + chain) at T = 16384 allocate a small multiple of
-    their inputs, far below the heads' T x T score matrix (8 GiB in fp32): the kernel path never builds it."""
+@pytest.mark.parametrize("prefixes", [1, 2], ids=["ttt", "block-both"])
+def test_cuda_ttt_attention_allocates_no_square_scores(dtype, prefixes):
+    """Forward and backward of the TTT attention (causal prefix + chain; two prefixes for a block drafter reading
+    both context sources) at T = 16384 allocate a small multiple of their inputs, far below the heads' T x T score
+    matrix (8 GiB in fp32): the kernel path never builds it."""
     B, H, T, J, hd = 1, 8, 16384, 3, 64
-    q, k, v = _leaves(dtype, (B, H, T, hd), (B, H, T, hd), (B, H, T, hd))
+    q, *kv = _leaves(dtype, *[(B, H, T, hd)] * (1 + 2 * prefixes))
     kc, vc = _leaves(dtype, (B, H, T, J, hd), (B, H, T, J, hd), seed=1)
-    linear = sum(t.numel() for t in (q, k, v, kc, vc)) * 4          # the inputs, counted in fp32
+    linear = sum(t.numel() for t in (q, *kv, kc, vc)) * 4           # the inputs, counted in fp32
     squares = B * H * T * T * 4
-    assert 6 * linear < squares / 4
+    assert 6 * linear < squares / 2
     torch.cuda.synchronize()
     torch.cuda.reset_peak_memory_stats()
     base = torch.cuda.memory_allocated()
-    out = layers.attend(q, [layers.KeyBlock(k, v, causal=True), layers.KeyBlock(kc, vc, diag=True)])
+    blocks = [layers.KeyBlock(k, v, causal=True) for k, v in zip(kv[0::2], kv[1::2])]
+    out = layers.attend(q, blocks + [layers.KeyBlock(kc, vc, diag=True)])
     out.float().square().sum().backward()
     torch.cuda.synchronize()
     peak = torch.cuda.max_memory_allocated() - base
