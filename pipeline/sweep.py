@@ -47,7 +47,7 @@ from pipeline.fingerprint import HashCache, data_hashes, fingerprint
 from pipeline.trial import (CKPT_CHILDREN, CONTINUED, Trial, TrialFn, adopt_finished, base_row, cached_result,
                             evaluate_runs, execute, failed_row, finished_elsewhere, is_continued, json_safe,
                             needs_parent, prepare_run_dir, run_trial, train_trial)
-from stages.common import Paths, Report, duration, write_json_atomic
+from stages.common import Paths, Report, duration, filter_text, write_json_atomic
 
 ADHOC = "adhoc"
 VARIANT = "drafter.variant"
@@ -227,8 +227,8 @@ def plan_part(trials: list[Trial], only: dict[str, list[Any]]) -> list[Trial]:
     only = _resolve_axes(only)
     kept = {t.name for t in trials if trial_matches(t, only)}
     if not kept:
-        want = " ".join(f"{k}={','.join(map(str, v))}" for k, v in only.items())
-        raise ConfigError(f"--only {want}: no trial of the plan has these settings (`--dry-run` without it lists them)")
+        raise ConfigError(f"--only {filter_text(only)}: no trial of the plan has these settings (`--dry-run` "
+                          "without it lists them)")
     parents = {t.depends_on for t in trials if t.name in kept and t.depends_on}
     controls = {t.name for t in trials if is_continued(t.config) and t.depends_on in parents
                 and any(k.depends_on == t.depends_on and k.variant in CKPT_CHILDREN for k in trials if k.name in kept)}
@@ -498,8 +498,7 @@ def show_parts(parts: dict[str, list[Trial]], console: Console, paths: Paths) ->
             sum(estimated_cost(t) for t in todo) / min(slots, len(todo)),
             max(schedule_order(todo).values())))   # never under its longest chain of parent and child
         replayed = "–" if todo else duration(replay(trials, took, slots))
-        table.add_row(name, " ".join(f"{k}={','.join(map(str, v))}" for k, v in spec.items()), str(len(trials)),
-                      str(len(todo)), left, replayed)
+        table.add_row(name, filter_text(spec), str(len(trials)), str(len(todo)), left, replayed)
     _print_table(console, table)
     return table
 

@@ -191,6 +191,11 @@ class _Task:
     ended: bool = False
 
 
+def filter_text(only: dict) -> str:
+    """A settings filter (KEY -> allowed values) as the command line spells it: `KEY=V1,V2 KEY2=V3`."""
+    return " ".join(f"{k}={','.join(map(str, v))}" for k, v in only.items())
+
+
 def duration(seconds: float) -> str:
     """h:mm:ss (m:ss under an hour), as the progress lines print a time."""
     s = int(round(max(seconds, 0.0)))

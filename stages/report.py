@@ -25,7 +25,7 @@ import pandas as pd
 import yaml
 from pydantic import Field
 
-from stages.common import Paths, Report, Section, atomic_path, write_text_atomic
+from stages.common import Paths, Report, Section, atomic_path, filter_text, write_text_atomic
 from stages.findings import MISSING, Verdict, findings, fmt, fmt_ci
 from stages.results import (LOOKUP_KIND, PAPER_TREE, E2EGroup, Results, Setting, collect, label, scale_order,
                             sort_key, variant_name)
@@ -571,7 +571,7 @@ def _parts_provenance(context: dict, budget_min: float | None) -> pd.DataFrame:
             run = runs.get(f"{study}/{name}")
             got = replayed.get(f"{study}/{name}") or {}
             row = {"study": study, "part": name,
-                   "filter": " ".join(f"{k}={','.join(map(str, v))}" for k, v in (only or {}).items()) or "–",
+                   "filter": filter_text(only or {}) or "–",
                    "trials": str(got.get("trials", "–")),
                    "trials' times replayed": f"{got['replayed_s'] / 60:.1f} min" if isinstance(
                        got.get("replayed_s"), (int, float)) else "–"}

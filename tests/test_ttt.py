@@ -400,3 +400,21 @@ def test_compact_unroll_when_little_or_nothing_is_scored(tail):
             out.loss.backward()
         assert outs[1].counts == outs[0].counts
         assert float(outs[1].loss.detach()) == pytest.approx(float(outs[0].loss.detach()), abs=1e-5)
+
+
+def test_fused_kernel_choice_per_device_dtype_and_head_dim():
+    """Which PyTorch kernel serves the fused attention: CPU flash for every dtype; on CUDA flash for bf16/fp16 with
+    a head dim it supports, the memory-efficient kernel otherwise; none elsewhere (the masked path serves)."""
+    from types import SimpleNamespace
+
+    from models.attention import causal_lse_kernel
+
+    def q(device, dtype, hd=128):
+        return SimpleNamespace(device=torch.device(device), dtype=dtype, shape=(1, 4, 16, hd))
+
+    assert causal_lse_kernel(q("cpu", torch.float32)) == causal_lse_kernel(q("cpu", torch.bfloat16)) == "cpu_flash"
+    assert causal_lse_kernel(q("cuda", torch.bfloat16)) == causal_lse_kernel(q("cuda", torch.float16)) == "cuda_flash"
+    assert causal_lse_kernel(q("cuda", torch.float32)) == "cuda_efficient"
+    assert causal_lse_kernel(q("cuda", torch.bfloat16, hd=320)) == "cuda_efficient"
+    assert causal_lse_kernel(q("cuda", torch.float64)) is None
+    assert causal_lse_kernel(q("meta", torch.float32)) is None
