@@ -12,9 +12,9 @@ blocks with one joint softmax:
 
 The blocks share one softmax, exactly the softmax over the concatenated keys; scores and the softmax run in fp32
 even under bf16 autocast. The TTT unroll's pair (causal prefix, diag chain) has a fused path on CPU and CUDA
-(`_CausalChainAttention`, which takes several causal prefixes too): the prefix runs in a PyTorch flash / memory-efficient kernel (`models.attention.
-causal_with_lse`), which skips the masked half and never materialises the [n, n] scores, and the chain is merged
-in by log-sum-exp.
+(`_CausalChainAttention`, which takes several causal prefixes too): the prefix runs in a PyTorch flash or
+memory-efficient kernel (`models.attention.causal_with_lse`), which skips the masked half and never materialises
+the [n, n] scores, and the chain is merged in by log-sum-exp.
 
 `attend_block` is the block drafters' variant: n rows of J queries each (an anchor's block), every query of a row
 sees the row's dense blocks (the context) and all J keys of its own row (bidirectional within the block). On CPU
