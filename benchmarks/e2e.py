@@ -16,7 +16,6 @@ import argparse
 import os
 import statistics
 import sys
-import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -29,6 +28,7 @@ import torch  # noqa: E402
 from models.decoding import (DecodeResult, DrafterProposer, LookupProposer, OracleProposer, TreeSpec,  # noqa: E402
                              greedy_generate, lossless_at_near_tie, prompt_lookup_generate, speculative_generate)
 from models.decoding.block_proposer import BlockProposer  # noqa: E402
+from models.decoding.generate import device_clock  # noqa: E402
 from models.quant import quantize_linears_int8  # noqa: E402
 from models.target import Target, load_target  # noqa: E402
 
@@ -90,11 +90,12 @@ def verify_cost(target: Target, prefix: int = 300, sizes=(1, 4, 8, 16, 32, 60), 
     for n in sizes:
         tree = chain_tree(1, list(range(2, n + 1)))
         times = []
+        clock = device_clock(target.device)
         for _ in range(repeats):
-            t0 = time.perf_counter()
+            t0 = clock()
             target.capture(tree.tokens[None], attention_mask=tree_attention_mask(tree, prefix, target.dtype),
                            position_ids=tree.positions(prefix)[None], past_key_values=cache)
-            times.append(time.perf_counter() - t0)
+            times.append(clock() - t0)
             cache.crop(prefix - cache_length(cache))
         out[n] = statistics.median(times)
     return out

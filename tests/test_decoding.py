@@ -458,3 +458,18 @@ def test_lookup_rounds_accept_what_the_lookup_predicted():
             emitted += n + 1
         assert res.accept_lengths == expected
     assert max(res.accept_lengths) > 1            # the repeated prompt is copied
+
+
+def test_device_clock_waits_for_cuda_work(monkeypatch):
+    """Timers on CUDA read the time after the queued kernels have run (they run asynchronously); on the CPU the
+    clock is plain perf_counter."""
+    import time
+
+    from models.decoding.generate import device_clock
+
+    assert device_clock("cpu") is time.perf_counter
+    waited = []
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda device=None: waited.append(device))
+    clock = device_clock("cuda:0")
+    t0 = clock()
+    assert clock() >= t0 and waited == [torch.device("cuda:0")] * 2

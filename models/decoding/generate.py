@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
+from typing import Callable
 
 import torch
 
@@ -76,7 +77,7 @@ def speculative_generate(target: Target, prompt_ids: torch.Tensor, max_new_token
         raise ValueError("speculative_generate: a proposer needs a tree spec [depth, top_k, total_tokens]")
     eos = _eos_set(eos_token_id)
     prompt_ids = prompt_ids.flatten()
-    clock = time.perf_counter
+    clock = device_clock(target.device)
     t0 = clock()
     cap, logits = prefill(target, prompt_ids)
     cache = cap.cache
@@ -118,6 +119,19 @@ def speculative_generate(target: Target, prompt_ids: torch.Tensor, max_new_token
                         verify_seconds=verify_s)
 
 
+def device_clock(device: torch.device | str) -> Callable[[], float]:
+    """`time.perf_counter` that first waits for the work queued on a CUDA device: its kernels run asynchronously,
+    so a plain timer around a call would read the launches, not the work (as gpt-fast synchronises)."""
+    device = torch.device(device)
+    if device.type != "cuda":
+        return time.perf_counter
+
+    def clock() -> float:
+        torch.cuda.synchronize(device)
+        return time.perf_counter()
+    return clock
+
+
 # -- baselines through transformers' generate ------------------------------------------------------------------
 
 class _ForwardTimer:
@@ -125,17 +139,18 @@ class _ForwardTimer:
 
     def __init__(self, model: torch.nn.Module):
         self.model, self.calls, self.seconds, self._t = model, 0, 0.0, 0.0
+        self.clock = device_clock(next(model.parameters()).device)
 
     def __enter__(self):
         self._h = [self.model.register_forward_pre_hook(self._pre), self.model.register_forward_hook(self._post)]
         return self
 
     def _pre(self, *_):
-        self._t = time.perf_counter()
+        self._t = self.clock()
 
     def _post(self, *_):
         self.calls += 1
-        self.seconds += time.perf_counter() - self._t
+        self.seconds += self.clock() - self._t
 
     def __exit__(self, *exc):
         for h in self._h:
@@ -147,11 +162,11 @@ def _generate(target: Target, prompt_ids: torch.Tensor, max_new_tokens: int, eos
     eos = sorted(_eos_set(eos_token_id))
     model = target.model
     with _ForwardTimer(model) as timer:
-        t0 = time.perf_counter()
+        t0 = timer.clock()
         out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_new_tokens,
                              min_new_tokens=0, do_sample=False, num_beams=1, eos_token_id=eos or None,
                              pad_token_id=eos[0] if eos else 0, return_dict_in_generate=True, **kwargs)
-        seconds = time.perf_counter() - t0
+        seconds = timer.clock() - t0
     tokens = out.sequences[0, ids.shape[1]:].tolist()
     return out, _finish(tokens, max_new_tokens, set(eos)), seconds, timer
 
