@@ -78,3 +78,12 @@ def naive_logits(drafter: Drafter, input_ids, features, target_kv, steps: int) -
             logits, h = drafter.step(input_ids[:, t + 1 + k:t + 2 + k], h, pos, cache, mask, kv, None)
             out[k, :, t] = logits[:, 0]
     return out
+
+
+def assert_same_with_grads(fused: torch.Tensor, plain: torch.Tensor, leaves: tuple, grad: torch.Tensor,
+                           **tol) -> None:
+    """Two attention outputs agree, and so do their gradients with respect to `leaves` for the output gradient
+    `grad` (a fused kernel path against the masked joint softmax)."""
+    torch.testing.assert_close(fused, plain, **tol)
+    for a, b in zip(torch.autograd.grad(fused, leaves, grad), torch.autograd.grad(plain, leaves, grad)):
+        torch.testing.assert_close(a, b, **tol)

@@ -15,7 +15,8 @@ from models.decoding import first_divergence, greedy_generate, speculative_gener
 from models.decoding.block_proposer import BlockProposer
 from models.decoding.drafter_proposer import DrafterProposer
 from models.ttt import ttt_unroll
-from tests.drafter_helpers import BLOCK_GRID, VARIANT_GRID, capture, make_drafter, naive_logits, tiny
+from tests.drafter_helpers import (BLOCK_GRID, VARIANT_GRID, assert_same_with_grads, capture, make_drafter,
+                                   naive_logits, tiny)
 
 pytestmark = pytest.mark.gpu
 DEV = torch.device(os.environ.get("KVSHOT_GPU_TEST_DEVICE", "cuda"))
@@ -24,6 +25,10 @@ K = 4
 
 def _name(spec):
     return "-".join(f"{v}" for v in spec.values())
+
+
+def _tol(dtype) -> dict:
+    return dict(atol=2e-4, rtol=2e-4) if dtype == torch.float32 else dict(atol=3e-2, rtol=3e-2)
 
 
 def _leaves(dtype, *shapes, seed=0):
@@ -62,12 +67,7 @@ def test_fused_causal_chain_attention_equals_joint_softmax(dtype, subset):
         tril = torch.ones(S, S, dtype=torch.bool, device=DEV).tril()
         plain = layers.attend(q, [layers.KeyBlock(k, v, tril), layers.KeyBlock(kc, vc, diag=True)])
     grad = torch.randn(fused.shape, generator=torch.Generator().manual_seed(3)).to(DEV, dtype)
-    gf = torch.autograd.grad(fused, (q, k, v, kc, vc), grad)
-    gp = torch.autograd.grad(plain, (q, k, v, kc, vc), grad)
-    tol = dict(atol=2e-4, rtol=2e-4) if dtype == torch.float32 else dict(atol=3e-2, rtol=3e-2)
-    torch.testing.assert_close(fused, plain, **tol)
-    for a, b in zip(gf, gp):
-        torch.testing.assert_close(a, b, **tol)
+    assert_same_with_grads(fused, plain, (q, k, v, kc, vc), grad, **_tol(dtype))
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
@@ -84,11 +84,7 @@ def test_fused_attention_over_two_causal_prefixes_equals_joint_softmax(dtype):
     plain = layers.attend(q, [layers.KeyBlock(k1, v1, tril), layers.KeyBlock(k2, v2, tril),
                               layers.KeyBlock(kc, vc, diag=True)])
     grad = torch.randn(fused.shape, generator=torch.Generator().manual_seed(6)).to(DEV, dtype)
-    leaves = (q, k1, v1, k2, v2, kc, vc)
-    tol = dict(atol=2e-4, rtol=2e-4) if dtype == torch.float32 else dict(atol=3e-2, rtol=3e-2)
-    torch.testing.assert_close(fused, plain, **tol)
-    for a, b in zip(torch.autograd.grad(fused, leaves, grad), torch.autograd.grad(plain, leaves, grad)):
-        torch.testing.assert_close(a, b, **tol)
+    assert_same_with_grads(fused, plain, (q, k1, v1, k2, v2, kc, vc), grad, **_tol(dtype))
 
 
 @pytest.mark.skipif(DEV.type != "cuda", reason="peak memory is read from the CUDA allocator")
