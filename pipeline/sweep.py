@@ -53,6 +53,7 @@ ADHOC = "adhoc"
 VARIANT = "drafter.variant"
 INIT = "drafter.init"
 SEED = "train.seed"
+PARENT = "train.parent"
 # Drafter settings an eagle3 drafter does not use: a ckpt child's parent ignores them.
 _EAGLE3_IGNORES = ("drafter.variant", "drafter.injection", "drafter.rope_fix", "drafter.init", "drafter.no_target",
                    "drafter.block_size", "drafter.context")
@@ -77,6 +78,8 @@ def _token(key: str, value: Any) -> str:
         text = str(value)
     elif short == "block_size":
         text = f"B{value}"
+    elif short == "parent" and isinstance(value, dict):
+        text = "from_" + "_".join(_token(f"train.{k}", v) for k, v in value.items()) if value else "from_own"
     elif short in ("fc_norm", "norm_output") and isinstance(value, bool):
         text = short if value else f"no_{short}"
     elif isinstance(value, bool):
@@ -110,13 +113,31 @@ def _product(axes: dict[str, list[Any]]) -> list[dict[str, Any]]:
     return [dict(zip(keys, combo)) for combo in itertools.product(*(axes[k] for k in keys))]
 
 
-def _parent_key(cfg: Config) -> str:
-    """What an eagle3 drafter trained for `cfg` would depend on: everything but the drafter settings it ignores."""
+def _eagle3_key(cfg: Config) -> str:
+    """An eagle3 drafter trained for `cfg`: everything but the drafter settings it ignores (a ckpt child, its
+    continued control and their eagle3 share it when `train.parent` is empty)."""
     tree = cfg.model_dump()
     for k in _EAGLE3_IGNORES:
         tree["drafter"].pop(k.split(".", 1)[1], None)
     keep = ("target", "data", "regenerate", "features", "drafter", "train", "eval")
     return json.dumps({k: tree[k] for k in keep}, sort_keys=True, default=str)
+
+
+def parent_config(cfg: Config, origin: str = "eagle3 parent") -> Config:
+    """The eagle3 a ckpt child (or a continued eagle3) starts from: its own config as a plain eagle3, with the train
+    settings of `train.parent` in place of its own."""
+    values: dict[str, Any] = {VARIANT: "eagle3"}
+    if is_continued(cfg):
+        values[INIT] = "ckpt"           # a plain eagle3 (init is not read by eagle3 training)
+    if cfg.train.parent:
+        values.update({f"train.{k}": v for k, v in cfg.train.parent.items()})
+        values[PARENT] = {}
+    return with_values(cfg, values, origin=origin)
+
+
+def _parent_key(cfg: Config) -> str:
+    """The key (`_eagle3_key`) of the eagle3 that `cfg` starts from."""
+    return _eagle3_key(parent_config(cfg)) if cfg.train.parent else _eagle3_key(cfg)
 
 
 def _config_key(cfg: Config) -> str:
@@ -135,7 +156,8 @@ def plan(cfg: Config, axes: dict[str, list[Any]] | None = None, study: str | Non
       that trial is added when the plan lacks it. So is, once per parent, the compute-matched control such a
       child is compared with (DESIGN §4): an eagle3 with init=continued, the parent continued for the child's
       schedule. Its config is the parent's with init=continued, the same in every study, so its fingerprint is
-      shared and it trains once.
+      shared and it trains once. With `train.parent` (children of an eagle3 trained on other settings, say the
+      small data scale's) the control is the child's own schedule as a continued eagle3, once per schedule.
     Names are `<variant>-<values that vary>`, unique and stable for the same plan.
     """
     axes = _resolve_axes(axes or {})
@@ -181,28 +203,40 @@ def plan(cfg: Config, axes: dict[str, list[Any]] | None = None, study: str | Non
                 values = {**values, INIT: CONTINUED}     # named as such even when set for the whole sweep
             resolved.append((values, trial_cfg))
 
+    for values, trial_cfg in resolved:
+        if trial_cfg.train.parent and not needs_parent(trial_cfg):
+            raise ConfigError(f"study {name}: {PARENT}={trial_cfg.train.parent} on a {trial_cfg.drafter.variant} "
+                              f"with drafter.init={trial_cfg.drafter.init}: only a drafter that starts from an "
+                              f"eagle3 checkpoint has a parent (init=ckpt hybrid/cross_only, or eagle3 init=continued)")
+
     # Parents of ckpt-initialised children (and of continued eagle3s), added when missing.
-    parents_by_key = {_parent_key(c): i for i, (v, c) in enumerate(resolved)
+    parents_by_key = {_eagle3_key(c): i for i, (v, c) in enumerate(resolved)
                       if c.drafter.variant == "eagle3" and not is_continued(c)}
     for values, trial_cfg in list(resolved):
         if needs_parent(trial_cfg) and _parent_key(trial_cfg) not in parents_by_key:
-            pvals = {k: v for k, v in values.items() if k not in _EAGLE3_IGNORES}
+            pvals = {k: v for k, v in values.items() if k not in _EAGLE3_IGNORES and k != PARENT}
             pvals[VARIANT] = "eagle3"
-            plain = {VARIANT: "eagle3"}
-            if is_continued(trial_cfg):
-                plain[INIT] = "ckpt"       # a plain eagle3 (init is not read by eagle3 training)
-            pcfg = with_values(trial_cfg, plain, origin=f"study {name}: eagle3 parent")
-            parents_by_key[_parent_key(pcfg)] = len(resolved)
+            pvals.update({f"train.{k}": v for k, v in trial_cfg.train.parent.items()})
+            pcfg = parent_config(trial_cfg, origin=f"study {name}: eagle3 parent")
+            parents_by_key[_eagle3_key(pcfg)] = len(resolved)
             resolved.append((pvals, pcfg))
 
-    # The compute-matched control of every ckpt child: its parent continued for the same schedule, once per parent.
-    controlled = {_parent_key(c) for _, c in resolved if is_continued(c)}
+    # The compute-matched control of every ckpt child: its parent continued for the child's schedule, once per
+    # schedule (without `train.parent` a parent's children share its schedule, so once per parent).
+    controlled = {_eagle3_key(c) for _, c in resolved if is_continued(c)}
     for values, trial_cfg in list(resolved):
-        key = _parent_key(trial_cfg)
+        key = _eagle3_key(trial_cfg)
         if trial_cfg.drafter.variant in CKPT_CHILDREN and trial_cfg.drafter.init == "ckpt" and key not in controlled:
-            pvals, pcfg = resolved[parents_by_key[key]]
-            resolved.append(({**pvals, INIT: CONTINUED},
-                             with_values(pcfg, {INIT: CONTINUED}, origin=f"study {name}: eagle3 continued")))
+            if trial_cfg.train.parent:
+                cvals = {k: v for k, v in values.items() if k not in _EAGLE3_IGNORES}
+                control = ({**cvals, VARIANT: "eagle3", INIT: CONTINUED},
+                           with_values(trial_cfg, {VARIANT: "eagle3", INIT: CONTINUED},
+                                       origin=f"study {name}: eagle3 continued"))
+            else:
+                pvals, pcfg = resolved[parents_by_key[key]]
+                control = ({**pvals, INIT: CONTINUED},
+                           with_values(pcfg, {INIT: CONTINUED}, origin=f"study {name}: eagle3 continued"))
+            resolved.append(control)
             controlled.add(key)
 
     naming = _naming_keys([v for v, _ in resolved])
@@ -229,10 +263,14 @@ def plan_part(trials: list[Trial], only: dict[str, list[Any]]) -> list[Trial]:
     if not kept:
         raise ConfigError(f"--only {filter_text(only)}: no trial of the plan has these settings (`--dry-run` "
                           "without it lists them)")
+    # the control of a kept child: the continued eagle3 of its schedule (its parent's children share one unless
+    # `train.parent` gives them other settings than the parent's)
+    schedules = {_eagle3_key(t.config) for t in trials if t.name in kept and t.variant in CKPT_CHILDREN
+                 and t.config.drafter.init == "ckpt"}
+    controls = {t.name for t in trials if is_continued(t.config) and _eagle3_key(t.config) in schedules}
+    kept |= controls
     parents = {t.depends_on for t in trials if t.name in kept and t.depends_on}
-    controls = {t.name for t in trials if is_continued(t.config) and t.depends_on in parents
-                and any(k.depends_on == t.depends_on and k.variant in CKPT_CHILDREN for k in trials if k.name in kept)}
-    kept |= parents | controls
+    kept |= parents
     return [t for t in trials if t.name in kept]
 
 
@@ -532,6 +570,9 @@ def single_trial(cfg: Config, study: str = ADHOC) -> Trial:
     name = trial_name(cfg.drafter.variant, values, list(values))
     trial = Trial(name=name, study=study, values=values, config=cfg)
     if needs_parent(cfg):
+        if cfg.train.parent:
+            raise ConfigError(f"{PARENT}={cfg.train.parent}: a parent trained on other settings is planned by a "
+                              f"sweep (`kvshot sweep ...`), not by `kvshot train`")
         parent = with_values(cfg, {VARIANT: "eagle3"})
         trial.depends_on = trial_name("eagle3", {"drafter.depth": parent.drafter.depth}, ["drafter.depth"])
     return trial

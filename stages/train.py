@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import Any, Literal, Protocol
 
 import torch
-from pydantic import Field
+from pydantic import Field, field_validator
 
 from stages import checkpoint as ckpt
 from stages.common import Paths, Report, Section, StageError, StageProgress, TargetParams, load_target_for
@@ -85,6 +85,22 @@ class TrainParams(Section):
     # block drafters: anchors (blocks) per conversation and step, drawn at random among the positions whose block
     # carries loss; 0 = every such position (the block counterpart of the TTT unroll scoring every position)
     block_anchors: int = Field(0, ge=0)
+    # a ckpt child (or the continued eagle3): the train settings of the eagle3 it starts from where they differ from
+    # its own, e.g. {scale: small, epochs: 1.5} starts children trained on the large scale from the small scale's
+    # eagle3 (the paper's Table 4 starts both from an existing checkpoint); empty: the same as its own
+    parent: dict[str, Any] = {}
+
+    @field_validator("parent")
+    @classmethod
+    def _parent_keys_are_train_settings(cls, value: dict[str, Any]) -> dict[str, Any]:
+        allowed = sorted(set(cls.model_fields) - {"parent", "continue_from"})
+        for key in value:
+            if key not in allowed:
+                raise ValueError(f"{key!r} is not a train setting of the parent eagle3 "
+                                 f"(one of {', '.join(allowed)})")
+        # each value checked as that setting would be: a parent with epochs 0 fails here, not after its children
+        TrainParams.model_validate(value)
+        return value
 
 
 # -- pure helpers: schedule and data order -------------------------------------------------------------------------

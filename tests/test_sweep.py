@@ -160,6 +160,60 @@ def test_part_of_a_plan_keeps_its_names_parents_and_controls():
         plan_part(trials, parse_overrides(["train.scale=huge"]))
 
 
+def test_children_of_a_parent_trained_on_other_settings():
+    """`train.parent`: large-data children start from the small scale's eagle3 (the one the plan already holds, not
+    a copy), each with a control continued for the child's own schedule; a part of the large children keeps that
+    parent and their control, not the small children's."""
+    from pipeline.fingerprint import config_hash
+    from pipeline.sweep import plan_part
+
+    large = {"drafter.variant": "hybrid", "train.scale": "large", "train.epochs": 2,
+             "train.parent": {"scale": "small", "epochs": 1}}
+    cfg = with_values(smoke(), {"studies": {"s": {"grid": {"drafter.variant": ["eagle3", "hybrid"],
+                                                           "train.scale": ["small"]}, "include": [large]}}})
+    trials = plan(cfg, study="s")
+    by = {t.name: t for t in trials}
+    child = by["hybrid-large-epochs2-from_small_epochs1"]
+    control = by["eagle3-large-epochs2-from_small_epochs1-continued"]
+    assert set(by) == {"eagle3-small", "hybrid-small", "eagle3-small-continued", child.name, control.name}
+    assert child.depends_on == control.depends_on == "eagle3-small" == by["hybrid-small"].depends_on
+    assert (control.config.train.scale, control.config.train.epochs, control.config.drafter.init) == \
+        ("large", 2, "continued")
+    assert control.config.train == child.config.train
+    # the parent is an eagle3 of the small scale as any other: planned alone (ad hoc), it is the same trial
+    alone = plan(smoke(), {k: [v] for k, v in large.items()})
+    parent = next(t for t in alone if t.depends_on is None)
+    assert config_hash(parent.config) == config_hash(by["eagle3-small"].config)
+    assert {t.name for t in plan_part(trials, parse_overrides(["train.scale=large"]))} == \
+        {"eagle3-small", child.name, control.name}
+    assert {t.name for t in plan_part(trials, parse_overrides(["train.scale=small"]))} == \
+        {"eagle3-small", "hybrid-small", "eagle3-small-continued"}
+    # a child and its control fingerprint their parent: another parent, other fingerprints
+    assert fingerprint(child.config, {}, "a" * 64) != fingerprint(child.config, {}, "b" * 64)
+
+
+def test_a_parent_on_other_settings_needs_a_child_and_train_settings():
+    with pytest.raises(ConfigError, match=r"train.parent=\{'scale': 'small'\} on a eagle3 with drafter.init=ckpt: "
+                                          r"only a drafter that starts from an eagle3 checkpoint"):
+        plan(smoke(), parse_overrides(["variant=eagle3", "train.parent={scale: small}"]))
+    with pytest.raises(ConfigError, match=r"train.parent: Value error, 'sclae' is not a train setting of the "
+                                          r"parent eagle3 \(one of batch_size, "):
+        with_values(smoke(), {"train.parent": {"sclae": "small"}})
+    with pytest.raises(ConfigError, match=r"train.parent.epochs: Input should be greater than 0"):
+        with_values(smoke(), {"train.parent": {"epochs": 0}})
+    from pipeline.sweep import single_trial
+    child = with_values(smoke(), {"drafter.variant": "hybrid", "drafter.init": "ckpt",
+                                  "train.parent": {"scale": "small"}})
+    with pytest.raises(ConfigError, match=r"train.parent=\{'scale': 'small'\}: a parent trained on other settings "
+                                          r"is planned by a sweep"):
+        single_trial(child)
+    # a profile without `train.parent` hashes as before the key existed: its finished trials are reused
+    from pipeline.fingerprint import config_hash
+    tree = smoke().model_dump()
+    del tree["train"]["parent"]
+    assert config_hash(tree) == config_hash(smoke())
+
+
 def test_the_study_profiles_parts_cover_each_plan():
     """Run part by part, every study of the study profile finishes: each trial lies in a part (with the parent and
     the control it needs), and each part names trials of the plan."""
