@@ -18,13 +18,22 @@ _DEFAULTS = DrafterParams().model_dump()
 
 
 def setting_of(t: Trial) -> dict:
+    """The row fields of the trial's setting, and under `values` its swept settings beyond them (say train.epochs
+    and train.parent), which a row records among its own `values`."""
     d = t.config.drafter
-    return {**{k: getattr(d, k) for k in SETTING}, "scale": t.config.train.scale, "seed": t.config.train.seed}
+    extra = {k: v for k, v in t.values.items()
+             if k.split(".")[-1] not in (*SETTING, "variant", "scale", "seed")}
+    return {**{k: getattr(d, k) for k in SETTING}, "scale": t.config.train.scale, "seed": t.config.train.seed,
+            **({"values": extra} if extra else {})}
 
 
 def row_matches(row: dict, want: dict) -> bool:
     """A row of the trial's setting; a field the row lacks (written before the field existed) held its default."""
-    return all(row.get(k) == v or (row.get(k) is None and _DEFAULTS.get(k, object()) == v) for k, v in want.items())
+    values = row.get("values") if isinstance(row.get("values"), dict) else {}
+    if any(values.get(k) != v for k, v in want.get("values", {}).items()):
+        return False
+    return all(row.get(k) == v or (row.get(k) is None and _DEFAULTS.get(k, object()) == v)
+               for k, v in want.items() if k != "values")
 
 
 def measured_seconds(trials: list[Trial], rows: list[dict]) -> dict[str, float]:

@@ -19,6 +19,19 @@ def test_rows_lacking_a_newer_field_match_its_default_only():
     assert not row_matches(old, {**want, "seed": 1})
 
 
+def test_a_trial_swept_beyond_the_setting_fields_matches_rows_of_those_values_only():
+    """The scale study's large children (train.epochs, train.parent) are not the former design's large rows."""
+    from pipeline.budget import setting_of
+    from pipeline.sweep import plan
+
+    large = next(t for t in plan(load_config("study"), study="scale") if t.name.startswith("hybrid-large-epochs1"))
+    want = setting_of(large)
+    assert want["values"] == {"train.epochs": 1, "train.parent": {"scale": "small", "epochs": 1.5}}
+    former = row("hybrid", scale="large", values={"drafter.variant": "hybrid", "train.scale": "large"})
+    assert not row_matches(former, want)
+    assert row_matches({**former, "values": large.values}, want)
+
+
 def test_parts_replay_their_trials_rows_and_name_the_ones_without(tmp_path):
     cfg = load_config("smoke")   # block study: parts `blocks` (hidden, kv) and `autoregressive` (eagle3, eagle3.1)
     rows = [row("block", wall=600.0, context="hidden"), row("block", wall=900.0, context="kv"),
