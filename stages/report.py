@@ -110,7 +110,21 @@ def baseline_for(s: Setting, settings: list[Setting]) -> Setting | None:
         return None
     if f.get("variant") in ("hybrid", "cross_only") and f.get("init") == "ckpt":
         return continued[0] if continued else None
+    parent = s.extra.get("train.parent") if isinstance(s.extra.get("train.parent"), dict) else None
+    if f.get("init") == "continued" and parent:
+        return _parent_eagle3(s, parent, settings)
     return plain[0] if plain else None
+
+
+def _parent_eagle3(s: Setting, parent: dict, settings: list[Setting]) -> Setting | None:
+    """The EAGLE-3 that EAGLE-3 continued started from when `train.parent` gave it other train settings (the small
+    scale's, say): the plain EAGLE-3 of the parent's scale whose other swept settings are the parent's or none."""
+    scale = parent.get("scale", s.fields.get("scale"))
+    own = {f"train.{k}": v for k, v in parent.items() if k != "scale"}
+    found = [x for x in settings if x.n and x.fields.get("variant") == "eagle3" and x.fields.get("init") != "continued"
+             and not x.fields.get("fc_norm") and not x.fields.get("norm_output") and x.fields.get("scale") == scale
+             and x.extra in ({}, own)]
+    return found[0] if found else None
 
 
 def _vs_cell(s: Setting, base: Setting | None, metric: str, level: float) -> str:

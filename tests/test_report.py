@@ -329,6 +329,32 @@ def test_e2e_check_note_says_what_lossless_means_in_bf16():
     assert e2e_check_note([bf16 | {"status": "failed"}]) == ""
 
 
+def test_continued_from_a_parent_on_other_settings_is_compared_with_that_parent(tmp_path):
+    """`train.parent`: the large children start from the small scale's EAGLE-3. The hybrid is compared with
+    EAGLE-3 continued of its own schedule, and continued with the small EAGLE-3 it started from."""
+    from stages.report import baseline_for
+
+    parent = {"scale": "small", "epochs": 1.5}
+    specs = [("eagle3-small", dict(variant="eagle3"), 0.40, 0.30, {}),
+             ("eagle3-large-continued", dict(variant="eagle3", init="continued", scale="large"), 0.45, 0.35,
+              {"train.epochs": 1, "train.parent": parent}),
+             ("hybrid-large", dict(variant="hybrid", scale="large"), 0.46, 0.36,
+              {"train.epochs": 1, "train.parent": parent})]
+    rows = []
+    for stem, fields, a0, a6, extra in specs:
+        for seed in (0, 1):
+            r = fx.row("scale", stem, fields, a0, a6, seed, 2)
+            r["values"] = {"drafter.variant": fields["variant"], "train.scale": fields.get("scale", "small"),
+                           "train.seed": seed, **extra}
+            rows.append(r)
+    fx.write(tmp_path / "metrics", {"scale": rows}, None)
+    settings = collect({"studies": ["scale"]}, Paths(tmp_path), draws=200).studies["scale"]
+    by = {s.trials[0].rsplit("-s", 1)[0]: s for s in settings}
+    assert baseline_for(by["hybrid-large"], settings) is by["eagle3-large-continued"]
+    assert baseline_for(by["eagle3-large-continued"], settings) is by["eagle3-small"]
+    assert baseline_for(by["eagle3-small"], settings) is None
+
+
 def test_extra_swept_values_split_settings(tmp_path):
     rows = []
     for lr in (0.001, 0.002):
