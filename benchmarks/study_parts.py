@@ -2,7 +2,8 @@
 measured trial times: the part's trials replayed as one sweep (`pipeline.sweep.replay`: `ray.max_concurrent` at a
 time, each child after its parent, in the sweep's own order), plus the data stages and the part's end-to-end
 decoding as the results folder's stage times record them; beside it, the part's wall time when it ran in one go
-(`kvshot repro --part`, the folder's parts.json). A study without parts is one part.
+(`kvshot repro --part`, the folder's parts.json). A study without parts is one part. A trial without a row yet
+is estimated from the paces of its drafter setting's rows (`pipeline.budget.estimated_seconds`), and says so.
 
     python benchmarks/study_parts.py                       # the study profile against results/study/
     python benchmarks/study_parts.py --profile study --results results/study
@@ -35,21 +36,25 @@ def main() -> None:
     print("| part | trials | sweep replayed | decoding recorded | with the data stages | measured in one go |")
     print("| --- | --- | --- | --- | --- | --- |")
     for key, got in replayed_parts(cfg, args.results / "metrics" / "stepwise").items():
-        if "replayed_s" not in got:
+        if "replayed_s" not in got and "estimated_s" not in got:
             print(f"| {key} | {got['trials']} | not measured: {', '.join(got['missing'])} | | | |")
             continue
+        estimated = "replayed_s" not in got
+        sweep_s = got["estimated_s"] if estimated else got["replayed_s"]
         study, _, name = key.partition("/")
         only = cfg.studies[study].parts.get(name)
         decode = times.get(study_key("e2e", study, only)) if only else times.get(f"e2e:{study}")
         recorded = got["decodes"] and isinstance(decode, (int, float))
         decode_text = "–" if not got["decodes"] else f"{decode / 60:.1f} min" if recorded else \
             "not recorded for this part"
-        total = got["replayed_s"] + data_s + (decode if recorded else 0.0)
+        total = sweep_s + data_s + (decode if recorded else 0.0)
         run = in_one_go.get(key)
         measured = "–" if not run else \
             f"{run['wall_s'] / 60:.1f} min{', fresh workspace' if run.get('fresh') else ''} ({run.get('commit', '?')})"
-        print(f"| {key} | {got['trials']} | {got['replayed_s'] / 60:.1f} min | {decode_text} | {total / 60:.1f} min "
-              f"| {measured} |")
+        sweep_text = f"about {sweep_s / 60:.0f} min ({len(got['estimated'])} trials estimated from paces)" \
+            if estimated else f"{sweep_s / 60:.1f} min"
+        print(f"| {key} | {got['trials']} | {sweep_text} | {decode_text} | {'about ' if estimated else ''}"
+              f"{total / 60:.1f} min | {measured} |")
 
 if __name__ == "__main__":
     main()

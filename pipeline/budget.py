@@ -48,10 +48,55 @@ def measured_seconds(trials: list[Trial], rows: list[dict]) -> dict[str, float]:
     return took
 
 
+def _drafter_setting(row: dict) -> tuple:
+    return tuple(row.get(k) if row.get(k) is not None else _DEFAULTS.get(k) for k in SETTING)
+
+
+def _steps_per_epoch(cfg: Config, rows: list[dict]) -> dict[str, float]:
+    """Optimizer steps per epoch at each data scale, from the rows' training steps (a row's epochs are its
+    `values`' train.epochs, else the profile's); a scale without rows scaled from one with them by its size."""
+    seen: dict[str, list[float]] = {}
+    for r in rows:
+        values = r.get("values") if isinstance(r.get("values"), dict) else {}
+        epochs = values.get("train.epochs", cfg.train.epochs)
+        if isinstance(r.get("train_steps"), int) and r["train_steps"] and r.get("scale") in cfg.data.scales \
+                and "train.max_steps" not in values:
+            seen.setdefault(r["scale"], []).append(r["train_steps"] / float(epochs))
+    per = {scale: max(v) for scale, v in seen.items()}
+    if per:
+        ref = next(iter(per))
+        for scale, size in cfg.data.scales.items():
+            per.setdefault(scale, per[ref] * size / cfg.data.scales[ref])
+    return per
+
+
+def estimated_seconds(trials: list[Trial], rows: list[dict], cfg: Config) -> dict[str, float]:
+    """A trial without a row of its own, estimated from paces: its optimizer steps (its epochs at its scale's steps
+    per epoch, `_steps_per_epoch`) times the seconds per step (`wall_s` / `train_steps`, evaluation included) of
+    the rows of its drafter setting at any scale, seed or schedule. Trials with no such row are left out."""
+    import math
+
+    per_epoch = _steps_per_epoch(cfg, rows)
+    pace: dict[tuple, list[float]] = {}
+    for r in rows:
+        if isinstance(r.get("wall_s"), (int, float)) and isinstance(r.get("train_steps"), int) and r["train_steps"]:
+            pace.setdefault(_drafter_setting(r), []).append(r["wall_s"] / r["train_steps"])
+    out = {}
+    for t in trials:
+        tp, want = t.config.train, setting_of(t)
+        s_per_step = pace.get(tuple(want[k] for k in SETTING))
+        steps = tp.max_steps or (math.ceil(tp.epochs * per_epoch[tp.scale]) if tp.scale in per_epoch else None)
+        if s_per_step and steps:
+            out[t.name] = steps * sum(s_per_step) / len(s_per_step)
+    return out
+
+
 def replayed_parts(cfg: Config, stepwise: Path) -> dict[str, dict]:
     """Per part `STUDY/PART` (a study without parts is one, `STUDY/(whole)`): its trial count, whether the study
     decodes some of them end to end and, when every trial has a measured row in `stepwise/STUDY.json`, the seconds
-    its trials take replayed as one sweep, else the trials without one."""
+    its trials take replayed as one sweep. Else the trials without one (`missing`) and, when each of them can be
+    estimated from the paces of its drafter setting's rows (`estimated_seconds`), the replay with those estimates
+    (`estimated_s`, naming the estimated trials in `estimated`)."""
     out: dict[str, dict] = {}
     for study in cfg.studies:
         path = Path(stepwise) / f"{study}.json"
@@ -59,11 +104,19 @@ def replayed_parts(cfg: Config, stepwise: Path) -> dict[str, dict]:
             rows = json.loads(path.read_text()) if path.is_file() else []
         except json.JSONDecodeError:
             rows = []
+        rows = [r for r in rows if isinstance(r, dict)] if isinstance(rows, list) else []
         trials = plan(cfg, study=study)
         for name, part in (check_parts(trials, cfg, study) or {WHOLE: trials}).items():
-            took = measured_seconds(part, rows if isinstance(rows, list) else [])
+            took = measured_seconds(part, rows)
             missing = [t.name for t in part if t.name not in took]
             got = {"trials": len(part), "decodes": decodes_any(cfg, study, part)}
-            out[f"{study}/{name}"] = {**got, "missing": missing} if missing else \
-                {**got, "replayed_s": round(replay(part, took, cfg.ray.max_concurrent), 1)}
+            if not missing:
+                out[f"{study}/{name}"] = {**got, "replayed_s": round(replay(part, took, cfg.ray.max_concurrent), 1)}
+                continue
+            got["missing"] = missing
+            guess = estimated_seconds([t for t in part if t.name in missing], rows, cfg)
+            if len(guess) == len(missing):
+                got.update(estimated=missing,
+                           estimated_s=round(replay(part, {**took, **guess}, cfg.ray.max_concurrent), 1))
+            out[f"{study}/{name}"] = got
     return out

@@ -568,6 +568,18 @@ def _study_provenance(res: Results, context: dict) -> pd.DataFrame:
                                                        "machine"])
 
 
+def _replayed_text(got: dict) -> str:
+    """A part's trials replayed as one sweep: measured, or with the trials that have no row yet estimated from
+    the paces of their drafter settings (`pipeline.budget.estimated_seconds`)."""
+    if isinstance(got.get("replayed_s"), (int, float)):
+        return f"{got['replayed_s'] / 60:.1f} min"
+    if isinstance(got.get("estimated_s"), (int, float)):
+        n = len(got.get("estimated") or [])
+        return f"about {got['estimated_s'] / 60:.0f} min ({n} of {got.get('trials', '?')} trials not run yet, " \
+               f"estimated from paces)"
+    return "–"
+
+
 def _parts_provenance(context: dict, budget_min: float | None) -> pd.DataFrame:
     """Per study part (`studies.STUDY.parts`; a study without parts is one, `(whole)`): its filter, its trials'
     measured times replayed as one sweep (`parts_replayed`) and, when it ran in one go (`kvshot repro --part`),
@@ -587,8 +599,7 @@ def _parts_provenance(context: dict, budget_min: float | None) -> pd.DataFrame:
             row = {"study": study, "part": name,
                    "filter": filter_text(only or {}) or "–",
                    "trials": str(got.get("trials", "–")),
-                   "trials' times replayed": f"{got['replayed_s'] / 60:.1f} min" if isinstance(
-                       got.get("replayed_s"), (int, float)) else "–"}
+                   "trials' times replayed": _replayed_text(got)}
             if isinstance(run, dict) and isinstance(run.get("wall_s"), (int, float)):
                 wall, data = run["wall_s"] / 60, float(run.get("data_stages_s") or 0) / 60
                 row.update({"wall time (one go)": f"{wall:.1f} min",
@@ -738,7 +749,8 @@ def run(params: ReportParams, context: dict, paths: Paths, report: Report) -> No
         md += [f"Per part: each part of a study runs in one go with `kvshot repro --part STUDY/PART`{budget}; "
                "its trials' times replayed: the wall times its trials' rows record, wherever they ran, replayed as "
                "one sweep (`ray.max_concurrent` at a time, each child after its parent), before its data stages "
-               "and its decoding:", "", md_table(parts_prov), ""]
+               "and its decoding (a trial with no row yet at the seconds per step of its setting's rows, times its "
+               "own steps):", "", md_table(parts_prov), ""]
 
     for stale in sorted(fig_dir.glob("*.png")) if fig_dir.is_dir() else []:
         if stale.name not in written:   # a figure of a study that is gone must not linger

@@ -42,3 +42,22 @@ def test_parts_replay_their_trials_rows_and_name_the_ones_without(tmp_path):
     assert got["block/autoregressive"]["missing"] == ["eagle3.1"]
     assert got["block/autoregressive"]["decodes"] is False   # the study decodes its block drafters only
     assert got["depth/(whole)"]["missing"]                              # no rows at all
+
+
+def test_trials_not_run_yet_are_estimated_from_the_paces_of_their_setting(tmp_path):
+    """The scale study's large part before it ran: its parent measured (the small part's EAGLE-3), its two children
+    estimated at the seconds per step of the small children times their own steps (one epoch of twice the data)."""
+    cfg = load_config("study")
+    small = [row("eagle3", wall=960.0, scale="small", train_steps=960),
+             row("hybrid", wall=1920.0, scale="small", train_steps=960),
+             row("eagle3", wall=1440.0, scale="small", init="continued", train_steps=960)]
+    (tmp_path / "scale.json").write_text(json.dumps(small))
+    got = replayed_parts(cfg, tmp_path)
+    assert got["scale/small-seed0"]["replayed_s"] == 960.0 + 1920.0
+    large = got["scale/large-seed0"]
+    assert large["missing"] == large["estimated"] and len(large["estimated"]) == 2
+    # 640 steps per epoch at 3,000 conversations -> 1,280 at 6,000; the hybrid's 2 s per step after its parent
+    assert large["estimated_s"] == 960.0 + 1280 * 2.0
+    # another seed of measured settings: every trial estimated, at the same paces
+    assert got["scale/small-seed1"]["estimated_s"] == 960.0 + 1920.0
+    assert "estimated_s" not in got["depth/seed0"]            # no row of any of its settings: no estimate

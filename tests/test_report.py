@@ -446,6 +446,13 @@ def test_each_part_states_its_one_go_wall_time_and_the_budget(tmp_path):
     run(FAST, {**CONTEXT, "study_parts": {"scale": {"large": {"train.scale": ["large"]}}}}, paths, lambda m: None)
     prov = section((paths.reports / "README.md").read_text(), "Provenance")
     assert table_row(prov, "scale", "large")[2:] == ["train.scale=large", "–", "–", "not run in one go", "–", "–", "–"]
+    # trials with no row yet, estimated from the paces of their settings' rows: an estimate, and said to be one
+    estimate = {"scale/large": {"trials": 3, "missing": ["a", "b"], "estimated": ["a", "b"], "estimated_s": 4090.0}}
+    run(FAST, {**CONTEXT, "study_parts": {"scale": {"large": {"train.scale": ["large"]}}},
+               "parts_replayed": estimate}, paths, lambda m: None)
+    prov = section((paths.reports / "README.md").read_text(), "Provenance")
+    assert table_row(prov, "scale", "large")[3:5] == ["3", "about 68 min (2 of 3 trials not run yet, estimated from "
+                                                           "paces)"]
     paths = project(tmp_path / "none")
     run(FAST, CONTEXT, paths, lambda m: None)   # a profile without parts: no such table
     assert "Per part" not in (paths.reports / "README.md").read_text()
