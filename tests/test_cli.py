@@ -37,7 +37,9 @@ def test_sweep_dry_run_of_a_study_includes_its_baseline():
     assert "eagle3" in out.stdout and "kv_only-d4" in out.stdout
     part = run("sweep", "--study", "scale", "--only", "train.scale=large", "--dry-run", "--profile", "study")
     assert part.returncode == 0, part.stderr
-    assert "6 trials" in part.stdout and "hybrid-large-s1" in part.stdout and "small" not in part.stdout
+    # the large children and their controls, and the small scale's EAGLE-3 they start from (train.parent)
+    assert "6 trials" in part.stdout and "hybrid-large-s1-epochs1-from_small_epochs1.5" in part.stdout
+    assert "eagle3-small-s1 " in part.stdout and "hybrid-small" not in part.stdout
 
 
 def test_sweep_dry_run_lists_a_studys_parts_and_runs_one():
