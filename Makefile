@@ -39,7 +39,7 @@ repro: setup
 	$(BIN)/kvshot repro
 
 test: setup browser
-	$(BIN)/python -m pytest -q --timeout=1800
+	$(BIN)/python -m pytest -q --timeout=1800 --durations=20
 
 test-fast: setup
 	$(BIN)/python -m pytest -q -m "not slow" --timeout=600
