@@ -568,6 +568,21 @@ def _study_provenance(res: Results, context: dict) -> pd.DataFrame:
                                                        "machine"])
 
 
+def _not_run_yet(context: dict, measured: set[str]) -> list[list[str]]:
+    """Trials the profile plans in a study that has metrics but for which no row of their settings exists yet (the
+    parts' `missing` trials, `pipeline.budget`): one problem row each, naming the part that runs it."""
+    replayed = context.get("parts_replayed") if isinstance(context.get("parts_replayed"), dict) else {}
+    out, seen = [], set()
+    for key, got in replayed.items():
+        study, _, part = key.partition("/")
+        for trial in (got.get("missing") or []) if isinstance(got, dict) and study in measured else []:
+            if (study, trial) not in seen:
+                seen.add((study, trial))
+                where = f"`kvshot repro --part {study}/{part}`" if part != "(whole)" else f"study {study}"
+                out.append([study, str(trial), "–", "not run yet", f"planned by the profile; {where} runs it"])
+    return out
+
+
 def _replayed_text(got: dict) -> str:
     """A part's trials replayed as one sweep: measured, or with the trials that have no row yet estimated from
     the paces of their drafter settings (`pipeline.budget.estimated_seconds`)."""
@@ -720,6 +735,7 @@ def run(params: ReportParams, context: dict, paths: Paths, report: Report) -> No
         for s in studies[n] or []:
             problems += [[n, str(r.get("trial")), label(s), "failed", str(r["error"]).splitlines()[0][:200]]
                          for r in sorted(s.failed, key=lambda r: str(r.get("trial")))]
+    problems += _not_run_yet(context, {n for n in res.names if res.raw[n] is not None})
     if res.e2e_rows is None:
         problems.append(["e2e", "–", "–", "missing", "no metrics/e2e.json"])
     else:

@@ -453,6 +453,10 @@ def test_each_part_states_its_one_go_wall_time_and_the_budget(tmp_path):
     prov = section((paths.reports / "README.md").read_text(), "Provenance")
     assert table_row(prov, "scale", "large")[3:5] == ["3", "about 68 min (2 of 3 trials not run yet, estimated from "
                                                            "paces)"]
+    # and the trials not run yet are listed as such, with the part that runs them
+    missing = section((paths.reports / "README.md").read_text(), "Failed and missing trials")
+    assert table_row(missing, "scale", "a", "–", "not run yet")[-1] == \
+        "planned by the profile; `kvshot repro --part scale/large` runs it"
     paths = project(tmp_path / "none")
     run(FAST, CONTEXT, paths, lambda m: None)   # a profile without parts: no such table
     assert "Per part" not in (paths.reports / "README.md").read_text()
