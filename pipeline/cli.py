@@ -299,7 +299,7 @@ def study_results(workspace: Path = typer.Argument(..., help="A study workspace,
             merged = merge.merge(workspace, into, Path(tmp) / "root")
             cfg = load_config(profile, [], root=merged.root)
             paths = Paths(root=merged.root)
-            stage.run(cfg.report, provenance(cfg, paths), paths, lambda metrics: None)
+            stage.run(cfg.report, {**provenance(cfg, paths), "regenerated": True}, paths, lambda metrics: None)
             merge.install(merged.root, workspace, into)
         kept = f"; kept as committed: {', '.join(merged.kept)}" if merged.kept else ""
         kept += (f"; combined with their committed rows on the same conversations: {', '.join(merged.combined)}"

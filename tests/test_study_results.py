@@ -1,6 +1,7 @@
 """`kvshot study-results`: studies run in different workspaces fold into one committed results folder, each study's
 metrics and records from where it last ran, and the report is regenerated from the merged files alone."""
 import json
+import re
 import shutil
 import subprocess
 import sys
@@ -224,6 +225,9 @@ def test_cli_regenerates_the_report_from_committed_and_new_metrics(tmp_path):
     report = (results / "report.md").read_text()
     assert "| depth     |" in report and "| injection |" in report
     assert "10.0 min (sweep)" in report and "test machine with 2 cores" in report
+    # where the report itself was written is named as such, not as where the studies ran
+    assert re.search(r"\| hardware \(this report, regenerated from committed metrics; each study's machine below\) +\|",
+                     report)
     assert sorted(p.stem for p in (results / "metrics" / "stepwise").iterdir()) == committed
     assert json.loads((results / "timings.json").read_text())["sweep:injection"] == 5823.0
 
