@@ -745,13 +745,14 @@ def run(params: ReportParams, context: dict, paths: Paths, report: Report) -> No
     md += [md_table(pd.DataFrame(problems, columns=["study", "trial", "setting", "state", "error"]))
            if problems else "None.", ""]
 
-    # a report regenerated from committed metrics (`kvshot study-results`) was written elsewhere than its rows
-    where = " (this report, regenerated from committed metrics; each study's machine below)" \
-        if context.get("regenerated") else ""
     prov = [["profile", _ctx(context, "profile")], ["target", _ctx(context, "target")],
-            ["data sizes", _ctx(context, "data_sizes")], ["git commit" + where, _ctx(context, "git_commit")],
-            ["date" + where, _ctx(context, "date")], ["hardware" + where, _ctx(context, "hardware")],
+            ["data sizes", _ctx(context, "data_sizes")], ["git commit", _ctx(context, "git_commit")],
+            ["date", _ctx(context, "date")], ["hardware", _ctx(context, "hardware")],
             ["total wall time", _ctx(context, "wall_time_s")]]
+    if context.get("regenerated"):   # `kvshot study-results`: written elsewhere than its rows were measured
+        prov.insert(3, ["report", "regenerated from committed metrics (`kvshot study-results`): the commit, date "
+                                  "and hardware below are the regeneration's; each study's machine is in the "
+                                  "per-study table"])
     if isinstance(context.get("stage_times_s"), dict) and context["stage_times_s"]:
         prov.append(["stage wall times", _stage_times(context["stage_times_s"])])
     prov += [["studies configured", ", ".join(res.configured) or "unknown"],

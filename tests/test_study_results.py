@@ -226,8 +226,8 @@ def test_cli_regenerates_the_report_from_committed_and_new_metrics(tmp_path):
     assert "| depth     |" in report and "| injection |" in report
     assert "10.0 min (sweep)" in report and "test machine with 2 cores" in report
     # where the report itself was written is named as such, not as where the studies ran
-    assert re.search(r"\| hardware \(this report, regenerated from committed metrics; each study's machine below\) +\|",
-                     report)
+    assert re.search(r"\| report +\| regenerated from committed metrics \(`kvshot study-results`\): the commit, date "
+                     r"and hardware below are the regeneration's", report)
     assert sorted(p.stem for p in (results / "metrics" / "stepwise").iterdir()) == committed
     assert json.loads((results / "timings.json").read_text())["sweep:injection"] == 5823.0
 
