@@ -227,16 +227,13 @@ def plan(cfg: Config, axes: dict[str, list[Any]] | None = None, study: str | Non
     for values, trial_cfg in list(resolved):
         key = _eagle3_key(trial_cfg)
         if trial_cfg.drafter.variant in CKPT_CHILDREN and trial_cfg.drafter.init == "ckpt" and key not in controlled:
-            if trial_cfg.train.parent:
-                cvals = {k: v for k, v in values.items() if k not in _EAGLE3_IGNORES}
-                control = ({**cvals, VARIANT: "eagle3", INIT: CONTINUED},
-                           with_values(trial_cfg, {VARIANT: "eagle3", INIT: CONTINUED},
-                                       origin=f"study {name}: eagle3 continued"))
-            else:
-                pvals, pcfg = resolved[parents_by_key[key]]
-                control = ({**pvals, INIT: CONTINUED},
-                           with_values(pcfg, {INIT: CONTINUED}, origin=f"study {name}: eagle3 continued"))
-            resolved.append(control)
+            # the parent continued with the child's train settings (its own, unless `train.parent` differs)
+            pvals, pcfg = resolved[parents_by_key[_parent_key(trial_cfg)]]
+            own = {k: v for k, v in values.items() if k.startswith("train.")} if trial_cfg.train.parent else {}
+            schedule = {f"train.{k}": v for k, v in trial_cfg.train.model_dump().items()}
+            resolved.append(({**pvals, **own, INIT: CONTINUED},
+                             with_values(pcfg, {**schedule, INIT: CONTINUED},
+                                         origin=f"study {name}: eagle3 continued")))
             controlled.add(key)
 
     naming = _naming_keys([v for v, _ in resolved])
