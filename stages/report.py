@@ -97,15 +97,19 @@ def _same_data(a: Setting, b: Setting) -> bool:
     return a.fields.get("scale") == b.fields.get("scale") and a.extra == b.extra
 
 
+def _eagle3(x: Setting, continued: bool) -> bool:
+    """A measured EAGLE-3 setting (not EAGLE-3.1), continued or trained from scratch."""
+    f = x.fields
+    return bool(x.n) and f.get("variant") == "eagle3" and (f.get("init") == "continued") == continued \
+        and not f.get("fc_norm") and not f.get("norm_output")
+
+
 def baseline_for(s: Setting, settings: list[Setting]) -> Setting | None:
     """The compute-matched baseline of a setting: EAGLE-3 continued for a checkpoint-initialised drafter (and the
     EAGLE-3 it continues for EAGLE-3 continued itself), the EAGLE-3 trained from scratch for the rest."""
     f = s.fields
-    plain = [x for x in settings if x.n and x.fields.get("variant") == "eagle3" and x.fields.get("init") != "continued"
-             and not x.fields.get("fc_norm") and not x.fields.get("norm_output") and _same_data(s, x)]
-    continued = [x for x in settings if x.n and x.fields.get("variant") == "eagle3"
-                 and x.fields.get("init") == "continued" and not x.fields.get("fc_norm")
-                 and not x.fields.get("norm_output") and _same_data(s, x)]
+    plain = [x for x in settings if _eagle3(x, continued=False) and _same_data(s, x)]
+    continued = [x for x in settings if _eagle3(x, continued=True) and _same_data(s, x)]
     if f.get("variant") == "eagle3" and not (f.get("init") == "continued" or f.get("fc_norm") or f.get("norm_output")):
         return None
     if f.get("variant") in ("hybrid", "cross_only") and f.get("init") == "ckpt":
@@ -121,8 +125,7 @@ def _parent_eagle3(s: Setting, parent: dict, settings: list[Setting]) -> Setting
     scale's, say): the plain EAGLE-3 of the parent's scale whose other swept settings are the parent's or none."""
     scale = parent.get("scale", s.fields.get("scale"))
     own = {f"train.{k}": v for k, v in parent.items() if k != "scale"}
-    found = [x for x in settings if x.n and x.fields.get("variant") == "eagle3" and x.fields.get("init") != "continued"
-             and not x.fields.get("fc_norm") and not x.fields.get("norm_output") and x.fields.get("scale") == scale
+    found = [x for x in settings if _eagle3(x, continued=False) and x.fields.get("scale") == scale
              and x.extra in ({}, own)]
     return found[0] if found else None
 
