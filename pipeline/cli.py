@@ -248,23 +248,42 @@ def export_cmd(run_dir: Path = typer.Argument(..., help="A finished run director
                fmt: str = typer.Option(..., "--format", "-f", help="eagle3 (SGLang/vLLM EAGLE-3 directory) or "
                                        "speculators (vllm serve DIR)."),
                out: Path = typer.Option(..., "--out", "-o", help="Directory to write (must not exist or be empty)."),
-               verifier: Optional[str] = typer.Option(None, "--verifier", help="The target's name or path as the "
-                                                      "engine should load it (default: the run's target)."),
-               dtype: str = typer.Option("float32", "--dtype", help="Weights as float32 (as trained) or bfloat16."),
+               verifier: Optional[str] = typer.Option(None, "--verifier", help="The target's name, or a local model "
+                                                      "directory (read, and named by its path), as the engine should "
+                                                      "load it (default: the run's target)."),
+               save_verifier: Optional[Path] = typer.Option(None, "--save-verifier", help="Write the run's target "
+                                                            "there as a Hugging Face model directory (the embedded "
+                                                            "GGUF dequantized; reused if present) and name it as the "
+                                                            "verifier, so engines serve the export offline."),
+               dtype: Optional[str] = typer.Option(None, "--dtype", help="Weights and torch_dtype: float32, bfloat16 "
+                                                   "or float16 (default: the target's dtype)."),
+               speculative_tokens: Optional[int] = typer.Option(None, "--speculative-tokens", help="Draft tokens per "
+                                                                "step the export proposes (default: what the run's "
+                                                                "measured acceptance supports, else 3)."),
                force: bool = typer.Option(False, "--force", help="Replace an existing export in --out."),
                root: Path = RootOpt):
     """Export a trained EAGLE-3 drafter to a serving engine's format (with a README card)."""
     def body():
         from stages import export as stage
-        from stages.common import Paths
+        from stages.common import Paths, StageError
 
+        if verifier and save_verifier:
+            raise StageError("--verifier and --save-verifier: give one (the verifier to name, or where to write it)")
+        if speculative_tokens is not None and speculative_tokens < 1:
+            raise StageError(f"--speculative-tokens {speculative_tokens}: expected a positive number of draft tokens")
         cache = os.environ.get("KVSHOT_MODEL_CACHE")
         paths = Paths(root=root.resolve(), cache=Path(cache) if cache else None)
         config = stage.check_run(run_dir, fmt, dtype, out, force)   # bad input fails before the target is read
-        target = stage.load_verifier(stage.run_target(config, run_dir), paths, verifier)
-        done = stage.export(run_dir, fmt, out, target, dtype=dtype, overwrite=force)
-        console.print(f"exported {run_dir} -> {done.out} ({fmt} format: {', '.join(done.files)})", highlight=False,
-                      soft_wrap=True)
+        params = stage.run_target(config, run_dir)
+        target = stage.save_verifier(params, paths, save_verifier) if save_verifier else \
+            stage.load_verifier(params, paths, verifier)
+        done = stage.export(run_dir, fmt, out, target, dtype=dtype, overwrite=force,
+                            num_speculative_tokens=speculative_tokens)
+        for line in done.warnings:
+            console.print(f"[yellow]warning:[/] {line}", highlight=False, soft_wrap=True)
+        console.print(f"exported {run_dir} -> {done.out} ({fmt} format, {done.dtype}, {done.speculative_tokens} "
+                      f"speculative tokens; verifier {target.name_or_path}: {', '.join(done.files)})",
+                      highlight=False, soft_wrap=True)
     _guarded(body)
 
 

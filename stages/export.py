@@ -74,7 +74,7 @@ FORMATS = {
     "eagle3": "native EAGLE-3 draft directory (SGLang --speculative-algorithm EAGLE3, vLLM method eagle3)",
     "speculators": "vLLM speculators format (vllm serve DIR)",
 }
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 EXPORTABLE_VARIANTS = ("eagle3",)
 EAGLE3_ARCH = "LlamaForCausalLMEagle3"
 SPECULATORS_ARCH = "Eagle3Speculator"
@@ -83,6 +83,14 @@ RESULT_FILE = "result.json"        # the sweep's result row, written beside a ru
 N_FEATURES = 3                     # the engines' fc reads three fused features (e.g. vLLM: target_hidden_size * 3)
 # The embedded target is a GGUF build of this hub model; an engine serves the hub model as the verifier.
 EMBEDDED_VERIFIER = "HuggingFaceTB/SmolLM2-135M-Instruct"
+# The speculators format's number of speculative tokens is the draft length n that maximises the expected tokens per
+# verification round, 1 + sum_{k<n} prod_{j<=k} alpha_j (chain acceptance), per unit of cost 1 + DRAFT_STEP_COST*n:
+# one draft step plus one more verified token costs about a tenth of a target decoding step (on these CPUs a draft
+# step is 1-3 ms and each verified token 0.71 ms against a 26.6 ms step; on a GPU the drafter is one layer of ~30).
+DRAFT_STEP_COST = 0.1
+# Without a measured acceptance (the run was never evaluated): the count vLLM's EAGLE-3 examples serve with, which
+# the rule above also gives for chain acceptance around 0.4-0.6 (the study's small-scale drafters).
+FALLBACK_SPECULATIVE_TOKENS = 3
 # Why a variant cannot be exported: no engine implements a drafter that reads the target's KV cache.
 NOT_LOADABLE = {
     "kv_only": "reads the target's KV cache",
@@ -103,8 +111,9 @@ def check_format(fmt: str) -> str:
     return fmt
 
 
-def check_dtype(dtype: str) -> str:
-    if dtype not in DTYPES:
+def check_dtype(dtype: str | None) -> str | None:
+    """The dtype name (None: the target's, resolved by `export_dtype`), or a one-line error listing them."""
+    if dtype is not None and dtype not in DTYPES:
         raise StageError(f"--dtype {dtype!r}: expected one of {', '.join(DTYPES)}")
     return dtype
 
@@ -116,7 +125,7 @@ def check_out(out: Path, overwrite: bool = False) -> None:
         raise StageError(f"--out {out}: already exists and is not empty (remove it or pass --force)")
 
 
-def check_run(run_dir: Path, fmt: str, dtype: str = "float32", out: Path | None = None,
+def check_run(run_dir: Path, fmt: str, dtype: str | None = None, out: Path | None = None,
               overwrite: bool = False) -> dict:
     """Everything that can be checked before the target's config is read; returns the run's config.json."""
     check_format(fmt)
@@ -138,6 +147,99 @@ def run_target(config: dict, run_dir: Path) -> TargetParams:
     except ValueError as exc:
         raise StageError(f"run directory {run_dir}: params.target is not valid ({str(exc).splitlines()[0]})") \
             from None
+
+
+def export_dtype(dtype: str | None, config: dict) -> str:
+    """The dtype of the exported weights and of `torch_dtype`: `dtype`, else the target's (SGLang serves the draft
+    in the `torch_dtype` it reads, and vLLM runs the draft in the target's dtype anyway), float32 if unnamed."""
+    if dtype is not None:
+        return check_dtype(dtype)
+    target = (config.get("params") or {}).get("target") or {}
+    named = target.get("dtype")
+    return named if named in DTYPES else "float32"
+
+
+# -- measured acceptance and the draft length it supports ----------------------------------------------------------
+
+def _read_row(path: Path, trial: str | None = None) -> dict | None:
+    try:
+        data = json.loads(path.read_text())
+    except (OSError, json.JSONDecodeError):
+        return None
+    if trial is not None and isinstance(data, list):   # metrics/stepwise/<study>.json: one row per trial
+        data = next((r for r in data if isinstance(r, dict) and r.get("trial") == trial), None)
+    if not isinstance(data, dict) or not (data.get("alpha") or data.get("acc")):
+        return None
+    return data
+
+
+def measured_row(run_dir: Path) -> tuple[dict, str] | tuple[None, None]:
+    """(the trial's step-wise metrics row, where it was read) for a run: the `result.json` the sweep writes beside
+    it, else its row in `metrics/stepwise/<study>.json` of the workspace a `runs/<study>/<trial>` directory is in."""
+    run = Path(run_dir).resolve()
+    row = _read_row(run / RESULT_FILE)
+    if row is not None:
+        return row, RESULT_FILE
+    if run.parent.parent.name == "runs":
+        table = run.parent.parent.parent / "metrics" / "stepwise" / f"{run.parent.name}.json"
+        row = _read_row(table, run.name)
+        if row is not None:
+            return row, f"metrics/stepwise/{run.parent.name}.json"
+    return None, None
+
+
+def speculative_tokens_for(alpha: list, horizon: int, cost: float = DRAFT_STEP_COST) -> int:
+    """The draft length n in 1..horizon maximising (1 + sum_{k<n} prod_{j<=k} alpha_j) / (1 + cost*n): expected
+    tokens per verification round over its cost (ties: the shorter). A missing alpha_k (no chain reached step k)
+    counts as 0."""
+    best_n, best_rate, reach, expected = 1, -1.0, 1.0, 1.0
+    for n in range(1, max(1, horizon) + 1):
+        a = alpha[n - 1] if n - 1 < len(alpha) else None
+        reach *= float(a) if isinstance(a, (int, float)) and math.isfinite(a) else 0.0
+        expected += reach
+        rate = expected / (1.0 + cost * n)
+        if rate > best_rate + 1e-12:
+            best_n, best_rate = n, rate
+    return best_n
+
+
+def speculative_tokens(run_dir: Path, config: dict, given: int | None = None) -> tuple[int, str]:
+    """(number of speculative tokens the export proposes, why): `given`, else what the measured chain acceptance
+    supports (`speculative_tokens_for`), else FALLBACK_SPECULATIVE_TOKENS."""
+    if given is not None:
+        if int(given) < 1:
+            raise StageError(f"--speculative-tokens {given}: expected a positive number of draft tokens")
+        return int(given), "given to the export"
+    row, source = measured_row(run_dir)
+    train = (config.get("params") or {}).get("train") or {}
+    horizon = int(train.get("ttt_steps") or 0) or len((row or {}).get("alpha") or (row or {}).get("acc") or [])
+    if row is not None:
+        # chain acceptance is what decoding sees; the unconditional step accuracy is the fallback's fallback
+        kind, values = ("chain acceptance α_k", row["alpha"]) if row.get("alpha") else ("step accuracy acc_k",
+                                                                                         row["acc"])
+        horizon = horizon or len(values)
+        n = speculative_tokens_for(values, horizon)
+        return n, (f"the draft length that maximises expected tokens per round over its cost (1 + "
+                   f"{DRAFT_STEP_COST}·n target steps) for the measured {kind} in `{source}`")
+    return FALLBACK_SPECULATIVE_TOKENS, ("no measured acceptance (the run was never evaluated): the fallback "
+                                         f"{FALLBACK_SPECULATIVE_TOKENS}, not the trained horizon")
+
+
+# -- what each engine loads --------------------------------------------------------------------------------------
+
+def engine_warnings(cfg, fmt: str) -> list[str]:
+    """One line per (EAGLE-3.1 option, engine) that would load the export wrong without an error."""
+    options = [o for o in ("fc_norm", "norm_output") if getattr(cfg, o)]
+    if not options:
+        return []
+    if fmt == "eagle3":
+        return [f"{' and '.join(options)} (EAGLE-3.1) in format 'eagle3': SGLang ignores fc_norm.* and norm_output "
+                f"silently and would serve this drafter wrong (and older vLLM builds drop norm_output); serve it "
+                f"with vLLM (0.32 reads both)"]
+    if cfg.norm_output:
+        return ["norm_output (EAGLE-3.1) in format 'speculators': older vLLM builds drop it silently and would "
+                "serve this drafter wrong; serve it with vLLM 0.32 or later"]
+    return []
 
 
 # -- the verifier (the target as the engines see it) --------------------------------------------------------------
@@ -182,12 +284,33 @@ class Verifier:
         return cls(**{**v.__dict__, "vocab_size": target.vocab_size})
 
 
+def local_verifier(directory: Path) -> Verifier:
+    """A verifier given as a local Hugging Face model directory: read from its config.json and named by its
+    absolute path, so an engine loads it offline."""
+    from transformers import AutoConfig
+
+    from models.target import TargetLoadError
+
+    directory = Path(directory)
+    if not (directory / CONFIG_FILE).is_file():
+        raise TargetLoadError(f"--verifier {directory}: a local directory without {CONFIG_FILE} (not a model)")
+    try:
+        config = AutoConfig.from_pretrained(directory)
+    except (OSError, ValueError) as exc:
+        first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        raise TargetLoadError(f"--verifier {directory}: cannot read its config ({first})") from None
+    return Verifier.from_config(config, str(directory.resolve()))
+
+
 def load_verifier(params: TargetParams, paths, name_or_path: str | None = None) -> Verifier:
-    """The target named by a run's `params.target`, from its config alone (no weights are loaded)."""
+    """The verifier an export names: a local model directory given as `name_or_path` (read from its config), else
+    the target named by a run's `params.target` (its config alone, no weights), named `name_or_path` if given."""
     from transformers import AutoConfig
 
     from models.target import EMBEDDED, EMBEDDED_GGUF, TargetLoadError, embedded_model_dir
 
+    if name_or_path and Path(name_or_path).is_dir():
+        return local_verifier(Path(name_or_path))
     source = params.source
     try:
         if source == EMBEDDED:
@@ -203,6 +326,34 @@ def load_verifier(params: TargetParams, paths, name_or_path: str | None = None) 
         first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
         raise TargetLoadError(f"target.source={source!r}: cannot read its config ({first})") from None
     return Verifier.from_config(config, name_or_path or source)
+
+
+def save_verifier(params: TargetParams, paths, directory: Path) -> Verifier:
+    """Write the run's target as a Hugging Face model directory (weights in the target's dtype, tokenizer) that an
+    engine loads offline, and return it as the verifier. The embedded target is the GGUF build dequantized, i.e.
+    the weights the drafter was trained against, not the hub model's. An existing model directory is reused."""
+    from models.target import load_target
+
+    directory = Path(directory)
+    if (directory / CONFIG_FILE).is_file():
+        return local_verifier(directory)
+    if directory.exists() and not (directory.is_dir() and not any(directory.iterdir())):
+        raise StageError(f"--save-verifier {directory}: exists and holds no model ({CONFIG_FILE} missing)")
+    target = load_target(params.source, params.dtype, "cpu",
+                         cache_dir=paths.model_cache if paths is not None else None)
+    directory.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(dir=directory.parent, prefix=f".{directory.name}.tmp-"))
+    try:
+        target.model.save_pretrained(tmp)
+        if target.tokenizer is not None:
+            target.tokenizer.save_pretrained(tmp)
+        os.chmod(tmp, 0o755)
+        if directory.exists():          # an empty directory (check_out above)
+            directory.rmdir()
+        os.replace(tmp, directory)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return local_verifier(directory)
 
 
 # -- reading a run ----------------------------------------------------------------------------------------------
@@ -404,17 +555,11 @@ def _fmt_list(values) -> str:
 
 
 def acceptance_lines(run_dir: Path) -> list[str]:
-    """Step-wise acceptance from the run's result.json (written by the sweep), else 'not evaluated'."""
-    path = Path(run_dir) / RESULT_FILE
-    row = None
-    if path.is_file():
-        try:
-            row = json.loads(path.read_text())
-        except (json.JSONDecodeError, OSError):
-            row = None
-    if not isinstance(row, dict) or not (row.get("alpha") or row.get("acc")):
+    """Step-wise acceptance from the trial's metrics row (`measured_row`), else 'not evaluated'."""
+    row, source = measured_row(run_dir)
+    if row is None:
         return ["Not evaluated (the run directory holds no step-wise result; `kvshot evaluate` writes one)."]
-    lines = ["Teacher-forced, on held-out conversations (`kvshot evaluate`; DESIGN §4):", "",
+    lines = [f"Teacher-forced, on held-out conversations (`kvshot evaluate`; DESIGN §4; from `{source}`):", "",
              "| k | " + " | ".join(str(k) for k in range(len(row.get("acc") or row.get("alpha")))) + " |",
              "| --- |" + " --- |" * len(row.get("acc") or row.get("alpha"))]
     if row.get("acc"):
@@ -430,8 +575,32 @@ def acceptance_lines(run_dir: Path) -> list[str]:
     return lines
 
 
+def engine_lines(cfg, fmt: str) -> list[str]:
+    """Per engine: whether it loads this export, and what it does with the EAGLE-3.1 options."""
+    options = [o for o in ("fc_norm", "norm_output") if getattr(cfg, o)]
+    lines = ["| engine | loads | EAGLE-3.1 options (`fc_norm`, `norm_output`) |", "| --- | --- | --- |"]
+    if options:
+        vllm = ("read (vLLM 0.32 `llama_eagle3.py`: `fc_norm` ModuleList, `aux_output = hidden_states if "
+                "norm_output`); older builds drop `norm_output` silently: the drafter then drafts wrong")
+    else:
+        vllm = "none used: every EAGLE-3 release"
+    how = "`method: eagle3` with this directory" if fmt == "eagle3" else \
+        "`vllm serve DIR`, or `method: eagle3` with this directory"
+    lines.append(f"| vLLM | {how} | {vllm} |")
+    if fmt == "eagle3":
+        sg = ("**ignored silently**: the `fc_norm.*` tensors are skipped and `norm_output` is not read, so the "
+              "drafter loads without error and drafts wrong; do not serve it there") if options else             "none used: loads as trained"
+        lines.append(f"| SGLang | `--speculative-algorithm EAGLE3 --speculative-draft-model-path DIR` | {sg} |")
+    else:
+        lines.append("| SGLang | no (it reads the `eagle3` format) | – |")
+    which = "this directory" if fmt == "speculators" else "the speculators format"
+    lines.append(f"| speculators | `Eagle3DraftModel.from_pretrained` ({which}) | "
+                 f"{'read since 0.9' if options else 'none used'} |")
+    return lines
+
+
 def card(cfg, config: dict, run_dir: Path, fmt: str, verifier: Verifier, layers: list[int], dtype: str,
-         speculative_tokens: int) -> str:
+         speculative_tokens: int, why_tokens: str = "") -> str:
     """The README of an export: what it is, what it was trained on, how well it drafts, how to serve it."""
     run = Path(run_dir)
     params = config.get("params") or {}
@@ -452,9 +621,10 @@ def card(cfg, config: dict, run_dir: Path, fmt: str, verifier: Verifier, layers:
              f"- fused features: HF `hidden_states` {layers} (the inputs of those decoder layers) = "
              f"`eagle_aux_hidden_state_layer_ids` {layers} for vLLM/speculators = outputs of layers "
              f"{[i - 1 for i in layers]} (`eagle_config.eagle_aux_hidden_state_layer_ids`, SGLang/SpecForge)"]
-    if target.get("source") == "embedded":
+    if target.get("source") == "embedded" and not Path(verifier.name_or_path).is_absolute():
         lines.append("- the embedded kvshot target is the Q4_1 GGUF build of this model, dequantized: the features "
-                     "the drafter was trained on differ slightly from the bf16 hub weights an engine serves")
+                     "the drafter was trained on differ slightly from the bf16 hub weights an engine serves "
+                     "(`kvshot export --save-verifier DIR` writes the dequantized target to serve instead)")
     lines += ["", "## Training data", "",
               f"- data scale `{data.get('scale', train.get('scale', '?'))}`: {data.get('conversations', '?')} "
               f"conversations (target-regenerated answers), {summary.get('tokens', '?')} tokens seen over "
@@ -462,7 +632,9 @@ def card(cfg, config: dict, run_dir: Path, fmt: str, verifier: Verifier, layers:
               f"- training-time test over {train.get('ttt_steps', '?')} steps (step weight "
               f"{train.get('step_decay', '?')}^k), lr {train.get('lr', '?')}, batch {train.get('batch_size', '?')}, "
               f"{train.get('precision', '?')}, seed {train.get('seed', '?')}",
-              "", "## Step-wise acceptance", "", *acceptance_lines(run_dir), "", "## Serving", ""]
+              "", "## Step-wise acceptance", "", *acceptance_lines(run_dir), "",
+              "## Engines", "", *engine_lines(cfg, fmt), "", "## Serving", "",
+              f"Speculative tokens per step: {speculative_tokens} ({why_tokens or 'given'}).", ""]
     if fmt == "eagle3":
         n = speculative_tokens
         lines += ["vLLM:", "", "```bash",
@@ -472,17 +644,16 @@ def card(cfg, config: dict, run_dir: Path, fmt: str, verifier: Verifier, layers:
                   f"python -m sglang.launch_server --model-path {verifier.name_or_path} "
                   f"--speculative-algorithm EAGLE3 --speculative-draft-model-path DIR "
                   f"--speculative-num-steps {n} --speculative-eagle-topk 1 --speculative-num-draft-tokens {n + 1}",
-                  "```", "", "(DIR is this directory; the tree sizes are a chain of the trained horizon, tune them.)"]
+                  "```", "", "(DIR is this directory; a chain of that many draft tokens.)"]
     else:
         lines += ["vLLM reads the verifier and the speculative settings from `config.json`:", "", "```bash",
                   "vllm serve DIR", "```", "",
                   f"(DIR is this directory; it proposes {speculative_tokens} tokens a step, greedily. The verifier "
                   f"`{verifier.name_or_path}` is loaded as the target; edit `speculators_config.verifier."
-                  f"name_or_path` to serve a local copy.)"]
-    if options:
-        lines += ["", f"{', '.join(options)} need engines with EAGLE-3.1 support (vLLM's and SGLang's current "
-                  "EAGLE-3 drafters, speculators >= 0.9); older releases reject the `fc_norm.*` tensors or ignore "
-                  "the flags."]
+                  f"name_or_path` to serve another copy, or pass `num_speculative_tokens` in "
+                  f"`--speculative-config` to change the count.)"]
+    if Path(verifier.name_or_path).is_absolute():
+        lines += ["", "The verifier is a local directory: engines load it offline, from this machine's path."]
     lines += ["", "## Files", "",
               f"- `config.json`, `model.safetensors` (no embedding: the engines share the target's; `d2t` holds "
               f"offsets, target id = i + d2t[i]; `t2d` marks the draft tokens in the target vocabulary)",
@@ -500,21 +671,38 @@ class Export:
     format: str
     config: dict[str, Any]
     files: list[str]
+    dtype: str = "float32"
+    speculative_tokens: int = FALLBACK_SPECULATIVE_TOKENS
+    warnings: list[str] = field(default_factory=list)   # one line each: engines that would load it wrong
 
 
-def build(run_dir: Path, fmt: str, verifier: Verifier, dtype: str = "float32") -> tuple[dict, dict, str]:
-    """(config.json, tensors, card) of the export of `run_dir` in `fmt`; nothing is written."""
+@dataclass
+class Built:
+    """An export held in memory: config.json, the tensors, the card, and what was chosen for it."""
+
+    config: dict[str, Any]
+    tensors: dict[str, torch.Tensor]
+    card: str
+    dtype: str
+    speculative_tokens: int
+    warnings: list[str]
+
+
+def build(run_dir: Path, fmt: str, verifier: Verifier, dtype: str | None = None,
+          num_speculative_tokens: int | None = None) -> Built:
+    """The export of `run_dir` in `fmt`, in memory; nothing is written. `dtype` None: the target's;
+    `num_speculative_tokens` None: what the measured acceptance supports (`speculative_tokens`)."""
     check_format(fmt)
     check_dtype(dtype)
     config, weights = read_finished_run(run_dir)
     cfg = exportable_config(config, run_dir, fmt)
+    dtype = export_dtype(dtype, config)
     if (verifier.hidden_size, verifier.vocab_size) != (cfg.hidden_size, cfg.vocab_size):
         raise StageError(f"verifier {verifier.name_or_path!r} has hidden size {verifier.hidden_size} and vocabulary "
                          f"{verifier.vocab_size}; the drafter in {run_dir} was trained for {cfg.hidden_size} / "
                          f"{cfg.vocab_size}")
     layers = feature_layers(config, verifier, fmt)
-    train = (config.get("params") or {}).get("train") or {}
-    speculative_tokens = int(train.get("ttt_steps") or 7)
+    n_spec, why_n = speculative_tokens(run_dir, config, num_speculative_tokens)
     llama = _llama_fields(cfg, verifier, cfg.depth)
     _check_rope(cfg, llama, fmt)
     provenance = {"run": f"{Path(run_dir).parent.name}/{Path(run_dir).name}", "variant": cfg.variant,
@@ -524,6 +712,9 @@ def build(run_dir: Path, fmt: str, verifier: Verifier, dtype: str = "float32") -
              "eagle_aux_hidden_state_layer_ids": layers, "norm_before_residual": False,
              "fc_norm": cfg.fc_norm, "norm_output": cfg.norm_output}
     if fmt == "eagle3":
+        # the native format names the EAGLE-3.1 options only when on: a plain EAGLE-3 stays the config every
+        # engine release reads (speculators' config class declares them, with the same false defaults)
+        eagle = {k: v for k, v in eagle.items() if k not in ("fc_norm", "norm_output") or v}
         out_cfg = {"architectures": [EAGLE3_ARCH], **llama, **eagle,
                    "eagle_config": {"eagle_aux_hidden_state_layer_ids": [i - 1 for i in layers],
                                     "use_aux_hidden_state": True},
@@ -532,7 +723,7 @@ def build(run_dir: Path, fmt: str, verifier: Verifier, dtype: str = "float32") -
         out_cfg = {"architectures": [SPECULATORS_ARCH], "speculators_model_type": "eagle3",
                    "speculators_config": {
                        "algorithm": "eagle3",
-                       "proposal_methods": [{"proposal_type": "greedy", "speculative_tokens": speculative_tokens,
+                       "proposal_methods": [{"proposal_type": "greedy", "speculative_tokens": n_spec,
                                              "verifier_accept_k": 1, "accept_tolerance": 0.0}],
                        "default_proposal_method": "greedy",
                        "verifier": {"name_or_path": verifier.name_or_path,
@@ -541,7 +732,9 @@ def build(run_dir: Path, fmt: str, verifier: Verifier, dtype: str = "float32") -
                    "embed_requires_grad": False, "tie_word_embeddings": False, "torch_dtype": dtype,
                    "kvshot": provenance}
     tensors = engine_tensors(weights, fmt, DTYPES[dtype])
-    return out_cfg, tensors, card(cfg, config, run_dir, fmt, verifier, layers, dtype, speculative_tokens)
+    warnings = engine_warnings(cfg, fmt)
+    text = card(cfg, config, run_dir, fmt, verifier, layers, dtype, n_spec, why_n)
+    return Built(out_cfg, tensors, text, dtype, n_spec, warnings)
 
 
 def _fsync_dir_files(directory: Path) -> None:
@@ -578,12 +771,13 @@ def write_export(out: Path, out_cfg: dict, tensors: dict, card_text: str, overwr
     return sorted(p.name for p in out.iterdir())
 
 
-def export(run_dir: Path, fmt: str, out: Path, verifier: Verifier, dtype: str = "float32",
-           overwrite: bool = False) -> Export:
+def export(run_dir: Path, fmt: str, out: Path, verifier: Verifier, dtype: str | None = None,
+           overwrite: bool = False, num_speculative_tokens: int | None = None) -> Export:
     """Export the finished run in `run_dir` to `out` in format `fmt` (see the module docstring)."""
-    out_cfg, tensors, card_text = build(run_dir, fmt, verifier, dtype)
-    files = write_export(out, out_cfg, tensors, card_text, overwrite)
-    return Export(out=Path(out), format=fmt, config=out_cfg, files=files)
+    built = build(run_dir, fmt, verifier, dtype, num_speculative_tokens)
+    files = write_export(out, built.config, built.tensors, built.card, overwrite)
+    return Export(out=Path(out), format=fmt, config=built.config, files=files, dtype=built.dtype,
+                  speculative_tokens=built.speculative_tokens, warnings=built.warnings)
 
 
 # -- the way back -----------------------------------------------------------------------------------------------

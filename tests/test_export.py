@@ -90,7 +90,9 @@ def test_eagle3_format_fields_and_tensors(tmp_path, target, verifier):
     assert cfg["eagle_config"]["eagle_aux_hidden_state_layer_ids"] == [1, 3, 4]
     assert cfg["rope_theta"] == 10000.0 and cfg["rope_scaling"] is None
     assert cfg["rope_parameters"] == {"rope_theta": 10000.0, "rope_type": "default"}
-    assert cfg["fc_norm"] is False and cfg["norm_output"] is False and cfg["norm_before_residual"] is False
+    # EAGLE-3.1 options off: not named at all (a plain EAGLE-3 config, as every engine release reads it)
+    assert "fc_norm" not in cfg and "norm_output" not in cfg and cfg["norm_before_residual"] is False
+    assert cfg["torch_dtype"] == "float32"                                # the target's dtype (tiny: float32)
     w = load_file(str(out / "model.safetensors"))
     layer = {"input_layernorm.weight", "hidden_norm.weight", "post_attention_layernorm.weight",
              "self_attn.q_proj.weight", "self_attn.k_proj.weight", "self_attn.v_proj.weight", "self_attn.o_proj.weight",
@@ -116,8 +118,10 @@ def test_speculators_format_fields_and_tensors(tmp_path, target, verifier):
     assert cfg["speculators_model_type"] == "eagle3" and cfg["architectures"] == ["Eagle3Speculator"]
     sc = cfg["speculators_config"]
     assert sc["algorithm"] == "eagle3" and sc["default_proposal_method"] == "greedy"
-    assert sc["proposal_methods"] == [{"proposal_type": "greedy", "speculative_tokens": 7, "verifier_accept_k": 1,
-                                       "accept_tolerance": 0.0}]
+    # never evaluated: the documented fallback, not the trained horizon (ttt_steps 7)
+    assert sc["proposal_methods"] == [{"proposal_type": "greedy", "speculative_tokens": ex.FALLBACK_SPECULATIVE_TOKENS,
+                                       "verifier_accept_k": 1, "accept_tolerance": 0.0}]
+    assert ex.FALLBACK_SPECULATIVE_TOKENS != 7
     assert sc["verifier"] == {"name_or_path": "tiny/llama-verifier", "architectures": ["LlamaForCausalLM"]}
     tl = cfg["transformer_layer_config"]
     assert tl["model_type"] == "llama" and tl["num_hidden_layers"] == 2 and tl["vocab_size"] == 64
@@ -225,7 +229,8 @@ def test_round_trip_decodes_losslessly_with_the_same_tau(tmp_path, trained, fmt)
 
     run_dir, tgt = trained
     out = tmp_path / f"export-{fmt}"
-    ex.export(run_dir, fmt, out, ex.Verifier.from_target(tgt, "tiny/peaked"))
+    # float32 as trained (the run's target dtype, bfloat16, is the default): the same weights come back
+    ex.export(run_dir, fmt, out, ex.Verifier.from_target(tgt, "tiny/peaked"), dtype="float32")
     assert ckpt.trained_run_dirs([out], "none") == [out]              # e2e.checkpoints takes an export
     original, _ = ckpt.load_drafter(run_dir, tgt)
     loaded, config = ckpt.load_drafter(out, tgt)
@@ -300,6 +305,154 @@ def test_card_reports_training_data_acceptance_and_serving(tmp_path, target, ver
     ex.export(save_run_dir(tmp_path / "bare", drafter_for(target)), "speculators", tmp_path / "s", verifier)
     card = (tmp_path / "s" / "README.md").read_text()
     assert "Not evaluated" in card and "vllm serve DIR" in card
+
+
+# -- what an engine needs to serve it as trained --------------------------------------------------------------------
+
+def _with_target(run: Path, **target) -> Path:
+    cfg = json.loads((run / "config.json").read_text())
+    cfg["params"]["target"].update(target)
+    (run / "config.json").write_text(json.dumps(cfg))
+    return run
+
+
+def test_torch_dtype_and_weights_follow_the_targets_dtype(tmp_path, target, verifier):
+    """SGLang serves the draft in the torch_dtype it reads: by default it is the target's, not float32."""
+    run = _with_target(save_run_dir(tmp_path / "run", drafter_for(target)), dtype="bfloat16")
+    for fmt in ex.FORMATS:
+        done = ex.export(run, fmt, tmp_path / fmt, verifier)
+        assert done.dtype == "bfloat16" and done.config["torch_dtype"] == "bfloat16"
+        assert load_file(str(tmp_path / fmt / "model.safetensors"))["fc.weight"].dtype == torch.bfloat16
+    done = ex.export(run, "eagle3", tmp_path / "fp32", verifier, dtype="float32")      # asked for: as trained
+    assert done.config["torch_dtype"] == "float32"
+    assert load_file(str(tmp_path / "fp32" / "model.safetensors"))["fc.weight"].dtype == torch.float32
+    _with_target(run, dtype="float16")
+    assert ex.export(run, "eagle3", tmp_path / "fp16", verifier).config["torch_dtype"] == "float16"
+
+
+def test_eagle31_options_are_named_only_when_on(tmp_path, target, verifier):
+    run = save_run_dir(tmp_path / "run", drafter_for(target, norm_output=True))
+    cfg = ex.export(run, "eagle3", tmp_path / "e", verifier).config
+    assert cfg["norm_output"] is True and "fc_norm" not in cfg
+    cfg = ex.export(run, "speculators", tmp_path / "s", verifier).config     # speculators' config declares both
+    assert cfg["norm_output"] is True and cfg["fc_norm"] is False
+
+
+def test_speculative_tokens_rule():
+    # expected tokens per round over (1 + 0.1 n): a weak drafter proposes one token, a strong one several
+    assert ex.speculative_tokens_for([0.1] * 7, 7) == 1
+    assert ex.speculative_tokens_for([0.145, 0.05, 0.2], 3) == 1
+    # the study's small-scale EAGLE-3 (metrics/stepwise/scale.json): chain acceptance 0.383, 0.426, 0.505, ...
+    assert ex.speculative_tokens_for([0.383, 0.426, 0.505, 0.604, 0.615, 0.676, 0.690], 7) == 2
+    assert ex.speculative_tokens_for([0.8] * 7, 7) == 6
+    assert ex.speculative_tokens_for([0.99] * 7, 7) == 7 == ex.speculative_tokens_for([0.99] * 9, 7)
+    assert ex.speculative_tokens_for([0.9, None, None], 3) == 1                 # no chain reached step 1
+    assert ex.speculative_tokens_for([], 7) == 1
+
+
+def _spec_tokens(out: Path) -> int:
+    cfg = json.loads((out / "config.json").read_text())
+    return cfg["speculators_config"]["proposal_methods"][0]["speculative_tokens"]
+
+
+def test_speculative_tokens_come_from_the_trials_measured_acceptance(tmp_path, target, verifier):
+    strong = {"alpha": [0.8] * 7, "acc": [0.8, 0.7, 0.6, 0.5, 0.4, 0.3, 0.2]}
+    run = save_run_dir(tmp_path / "a" / "runs" / "scale" / "eagle3-small", drafter_for(target), result=strong)
+    done = ex.export(run, "speculators", tmp_path / "s1", verifier)
+    assert done.speculative_tokens == _spec_tokens(tmp_path / "s1") == 6
+    card = (tmp_path / "s1" / "README.md").read_text()
+    assert "Speculative tokens per step: 6" in card and "chain acceptance α_k in `result.json`" in card
+    # no result.json: the trial's row in the workspace's metrics/stepwise/<study>.json
+    (run / ex.RESULT_FILE).unlink()
+    table = tmp_path / "a" / "metrics" / "stepwise" / "scale.json"
+    table.parent.mkdir(parents=True)
+    table.write_text(json.dumps([{"trial": "other", "alpha": [0.99] * 7},
+                                 {"trial": "eagle3-small", "alpha": [0.383, 0.426, 0.505, 0.604, 0.615, 0.676, 0.69]}]))
+    ex.export(run, "speculators", tmp_path / "s2", verifier)
+    assert _spec_tokens(tmp_path / "s2") == 2
+    card = (tmp_path / "s2" / "README.md").read_text()
+    assert "`metrics/stepwise/scale.json`" in card and "| chain acceptance α_k | 0.383 |" in card
+    # the eagle3 card's serving commands use the same count
+    ex.export(run, "eagle3", tmp_path / "e", verifier)
+    card = (tmp_path / "e" / "README.md").read_text()
+    assert '"num_speculative_tokens": 2' in card and "--speculative-num-steps 2 " in card
+    # no measured row at all: the documented fallback; a count given to the export wins
+    table.unlink()
+    ex.export(run, "speculators", tmp_path / "s3", verifier)
+    assert _spec_tokens(tmp_path / "s3") == ex.FALLBACK_SPECULATIVE_TOKENS
+    assert "never evaluated" in (tmp_path / "s3" / "README.md").read_text()
+    ex.export(run, "speculators", tmp_path / "s4", verifier, num_speculative_tokens=5)
+    assert _spec_tokens(tmp_path / "s4") == 5
+    with pytest.raises(StageError, match="--speculative-tokens 0"):
+        ex.export(run, "speculators", tmp_path / "s5", verifier, num_speculative_tokens=0)
+    assert not (tmp_path / "s5").exists()
+
+
+def test_card_and_warning_name_the_engines_that_load_eagle31_wrong(tmp_path, target, verifier):
+    plain = ex.export(save_run_dir(tmp_path / "p", drafter_for(target)), "eagle3", tmp_path / "pe", verifier)
+    assert plain.warnings == []
+    card = (tmp_path / "pe" / "README.md").read_text()
+    assert "## Engines" in card and "| SGLang |" in card and "ignored silently" not in card
+    run = save_run_dir(tmp_path / "r", drafter_for(target, fc_norm=True, norm_output=True))
+    done = ex.export(run, "eagle3", tmp_path / "e", verifier)
+    assert len(done.warnings) == 1 and "\n" not in done.warnings[0]
+    assert "SGLang ignores fc_norm.* and norm_output silently" in done.warnings[0]
+    card = (tmp_path / "e" / "README.md").read_text()
+    sglang = next(ln for ln in card.splitlines() if ln.startswith("| SGLang |"))
+    assert "ignored silently" in sglang and "drafts wrong" in sglang
+    vllm = next(ln for ln in card.splitlines() if ln.startswith("| vLLM |"))
+    assert "older builds drop `norm_output` silently" in vllm
+    done = ex.export(run, "speculators", tmp_path / "s", verifier)    # vLLM only: older builds drop norm_output
+    assert len(done.warnings) == 1 and "older vLLM builds drop it silently" in done.warnings[0]
+    assert ex.export(save_run_dir(tmp_path / "f", drafter_for(target, fc_norm=True)), "speculators",
+                     tmp_path / "fs", verifier).warnings == []
+    assert "| SGLang | no (it reads the `eagle3` format)" in (tmp_path / "s" / "README.md").read_text()
+
+
+def test_a_local_verifier_directory_is_read_and_named_by_its_path(tmp_path, target):
+    model_dir = tmp_path / "verifier"
+    target.model.save_pretrained(model_dir)
+    params = ex.TargetParams(source="hub/not-here", dtype="float32")
+    v = ex.load_verifier(params, None, str(model_dir))            # the hub name is never looked up
+    assert v.name_or_path == str(model_dir.resolve()) and v.num_layers == 8 and v.hidden_size == 48
+    ex.export(save_run_dir(tmp_path / "run", drafter_for(target)), "speculators", tmp_path / "s", v)
+    cfg = json.loads((tmp_path / "s" / "config.json").read_text())
+    assert cfg["speculators_config"]["verifier"]["name_or_path"] == str(model_dir.resolve())
+    assert "engines load it offline" in (tmp_path / "s" / "README.md").read_text()
+    other = tmp_path / "other"
+    tiny8(hidden_size=64, num_heads=8).model.save_pretrained(other)
+    with pytest.raises(StageError, match="hidden size 64"):
+        ex.export(save_run_dir(tmp_path / "run2", drafter_for(target)), "eagle3", tmp_path / "o",
+                  ex.load_verifier(params, None, str(other)))
+    (tmp_path / "empty").mkdir()
+    from models.target import TargetLoadError
+    with pytest.raises(TargetLoadError, match="without config.json"):
+        ex.load_verifier(params, None, str(tmp_path / "empty"))
+
+
+def test_save_verifier_writes_the_target_as_a_model_directory(tmp_path, target, monkeypatch):
+    """The run's target as loaded for training (the embedded GGUF dequantized; here a tiny one) is written."""
+    import models.target as mt
+    from transformers import AutoModelForCausalLM
+
+    loads = []
+    monkeypatch.setattr(mt, "load_target", lambda *a, **k: loads.append((a, k)) or target)
+    params = ex.TargetParams(source="embedded", dtype="float32")
+    out = tmp_path / "serve" / "verifier"
+    v = ex.save_verifier(params, None, out)
+    assert [a[:2] for a, _ in loads] == [("embedded", "float32")]
+    assert v.name_or_path == str(out.resolve()) and (out / "config.json").is_file()
+    back = AutoModelForCausalLM.from_pretrained(out)
+    sd = target.model.state_dict()
+    assert all(torch.equal(t, sd[k]) for k, t in back.state_dict().items())
+    stamp = (out / "config.json").stat().st_mtime_ns
+    assert ex.save_verifier(params, None, out).name_or_path == v.name_or_path      # reused, not rewritten
+    assert len(loads) == 1
+    assert (out / "config.json").stat().st_mtime_ns == stamp and no_leftovers(out.parent)
+    (tmp_path / "junk").mkdir()
+    (tmp_path / "junk" / "x").write_text("x")
+    with pytest.raises(StageError, match="--save-verifier .*holds no model"):
+        ex.save_verifier(params, None, tmp_path / "junk")
 
 
 # -- bad input ---------------------------------------------------------------------------------------------------
@@ -433,11 +586,26 @@ def test_cli_exports_a_run_whose_target_is_a_local_model(tmp_path, target):
     assert "vllm serve org/model" in (tmp_path / "out2" / "README.md").read_text()
 
 
+def test_cli_warns_in_one_line_and_says_what_it_chose(tmp_path, target):
+    model_dir = tmp_path / "tiny-model"
+    target.model.save_pretrained(model_dir)
+    run = save_run_dir(tmp_path / "run", drafter_for(target, fc_norm=True), result={"alpha": [0.8] * 7})
+    res = _cli("export", str(run), "--format", "eagle3", "--out", str(tmp_path / "out"), "--verifier", str(model_dir))
+    assert res.exit_code == 0, res.output
+    warned = [ln for ln in res.output.splitlines() if ln.startswith("warning:")]
+    assert len(warned) == 1 and "SGLang ignores fc_norm.* and norm_output silently" in warned[0], res.output
+    assert "float32, 6 speculative tokens" in res.output and str(model_dir.resolve()) in res.output
+    cfg = json.loads((tmp_path / "out" / "config.json").read_text())
+    assert cfg["fc_norm"] is True and "norm_output" not in cfg
+
+
 @pytest.mark.parametrize("args, needle", [
     (("--format", "onnx"), "formats: eagle3, speculators"),
     (("--format", "eagle3", "--dtype", "int4"), "--dtype 'int4'"),
     (("--format", "eagle3"), "already exists and is not empty"),
     (("--format", "speculators", "--verifier", "x"), "not a finished run"),
+    (("--format", "speculators", "--speculative-tokens", "0"), "--speculative-tokens 0"),
+    (("--format", "eagle3", "--verifier", "x", "--save-verifier", "y"), "give one"),
 ])
 def test_cli_bad_input_is_one_line_and_exit_2(tmp_path, target, args, needle):
     run = save_run_dir(tmp_path / "run", drafter_for(target))
