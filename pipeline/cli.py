@@ -39,14 +39,21 @@ _STATE: dict = {}
 UNTIMED = object()   # returned by a command body whose run is not the stage's work (a dry run, nothing left to do)
 
 
+def _user_errors() -> tuple[type[BaseException], ...]:
+    """The errors that are bad input (one red line, exit 2). A TargetLoadError can only come from a command that
+    imported models.target: looked up when an error is raised, so `kvshot --help` and `kvshot keys` never import
+    torch to name it."""
+    from stages.common import StageError
+
+    target = sys.modules.get("models.target")
+    return (ConfigError, StageError) + ((target.TargetLoadError,) if target is not None else ())
+
+
 def _guarded(fn: Callable[[], object], command: str | Callable[[], str] | None = None) -> object:
     """Run a command body, turning known user-facing errors into one line and exit code 2; a stage command's
     wall time is recorded in its workspace for the report's provenance, under `command` (or the name it returns
     once the body has run)."""
     import time
-
-    from models.target import TargetLoadError
-    from stages.common import StageError
 
     start = time.perf_counter()
     try:
@@ -57,7 +64,7 @@ def _guarded(fn: Callable[[], object], command: str | Callable[[], str] | None =
             from pipeline.provenance import record_time
             record_time(_STATE["root"], command() if callable(command) else command, time.perf_counter() - start)
         return out
-    except (ConfigError, StageError, TargetLoadError) as exc:
+    except _user_errors() as exc:
         _fail(str(exc).splitlines()[0] if str(exc) else type(exc).__name__)
     except KeyboardInterrupt:
         console.print("[yellow]interrupted; finished work is kept and the next run resumes from it[/]")

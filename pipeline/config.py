@@ -16,14 +16,15 @@ from typing import Any
 import yaml
 from pydantic import BaseModel, Field, ValidationError, field_validator
 
+# Every section comes from a module that imports no torch or pandas (the train, evaluate and report sections live in
+# stages.sections for that reason): `kvshot --help` and `kvshot keys` start without loading them
+# (benchmarks/startup.py; tests/test_config.py checks it).
 from stages.common import Section, TargetParams
 from stages.e2e import E2EParams
-from stages.evaluate import EvalParams
 from stages.features import FeaturesParams
 from stages.prepare import DataParams
 from stages.regenerate import RegenerateParams
-from stages.report import ReportParams
-from stages.train import DrafterParams, TrainParams
+from stages.sections import DrafterParams, EvalParams, ReportParams, TrainParams
 
 ROOT = Path(__file__).resolve().parent.parent
 PROFILES_DIR = ROOT / "profiles"

@@ -15,26 +15,17 @@ intervals resample; `kvshot evaluate` prints acc_6 and α_6 with their standard 
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any
 
 import torch
 import torch.nn.functional as F
-from pydantic import Field
 
 from stages import checkpoint as ckpt
-from stages.common import Paths, Report, Section, StageError, TargetParams, load_target_for, write_json_atomic
+from stages.common import Paths, Report, StageError, TargetParams, load_target_for, write_json_atomic
 from stages.findings import fmt     # '–' where α_k is undefined (no chain reached step k)
+from stages.sections import EvalParams  # noqa: F401 (re-exported: the stage's own section)
 
 EVAL_SPLIT = "eval"
-
-
-class EvalParams(Section):
-    data: str | None = None               # conversation JSONL; default: the held-out regenerated split
-    max_conversations: int = Field(64, ge=1)
-    max_len: int = Field(512, ge=8)
-    batch_size: int = Field(2, ge=1)
-    steps: int | None = Field(None, ge=1)                   # K; default: the K the drafter was trained with
-    precision: Literal["bf16", "fp32"] | None = None        # default: the drafter's training precision
 
 
 def _shift(x: torch.Tensor, s: int, fill) -> torch.Tensor:

@@ -23,27 +23,16 @@ from typing import Any, Callable
 
 import pandas as pd
 import yaml
-from pydantic import Field
 
-from stages.common import Paths, Report, Section, atomic_path, filter_text, write_text_atomic
+from stages.common import Paths, Report, atomic_path, filter_text, write_text_atomic
 from stages.findings import MISSING, Verdict, findings, fmt, fmt_ci
 from stages.results import (LOOKUP_KIND, PAPER_TREE, E2EGroup, Results, Setting, collect, label, scale_order,
                             sort_key, variant_name)
+from stages.sections import ReportParams  # noqa: F401 (re-exported: the stage's own section)
 
 PAPER_NUMBERS = Path(__file__).with_name("paper_numbers.yaml")
 PAPER_LABEL = "paper (Qwen3-8B)"
 FEW_CHAINS = 100   # an α_k measured on fewer chains than this shows its count
-
-
-class ReportParams(Section):
-    title: str = "KVShot reproduction"
-    figure_width: float = 7.0
-    figure_height: float = 4.5
-    dpi: int = 110
-    bootstrap_draws: int = Field(2000, ge=100)         # resamples behind every interval
-    level: float = Field(0.95, gt=0.5, lt=1.0)         # interval coverage
-    much_smaller_ratio: float = Field(0.5, gt=0)       # claim E: e2e relative gain < ratio x step-wise gain
-    budget_min: float | None = Field(None, gt=0)      # the wall time a study part should take from a fresh workspace
 
 
 def load_paper_numbers(path: Path = PAPER_NUMBERS) -> dict:

@@ -159,3 +159,24 @@ def test_options_added_later_keep_old_fingerprints_while_off():
     old["train"].pop("bucket_window")
     assert config_hash(cfg) == config_hash(old)
     assert config_hash(with_values(cfg, {"drafter.fc_norm": True})) != config_hash(cfg)
+
+
+def test_the_schema_and_the_cli_import_no_torch_or_pandas():
+    """`kvshot --help` and `kvshot keys` compute nothing: importing pipeline.config and pipeline.cli, and running
+    `kvshot keys depth`, loads neither torch nor pandas (benchmarks/startup.py measures the start time)."""
+    import subprocess
+    import sys
+
+    probe = ("import sys\n"
+             "import pipeline.config, pipeline.cli\n"
+             "from typer.testing import CliRunner\n"
+             "out = CliRunner().invoke(pipeline.cli.app, ['keys', 'depth'])\n"
+             "assert out.exit_code == 0 and 'drafter.depth' in out.output, out.output\n"
+             "print(' '.join(m for m in ('torch', 'pandas', 'stages.train', 'stages.report') if m in sys.modules))\n")
+    out = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.strip() == "", f"imported: {out.stdout.strip()}"
+    # the probe can see an import: stages.train does load torch
+    heavy = subprocess.run([sys.executable, "-c", probe.replace("import pipeline.config,", "import stages.train,")],
+                           capture_output=True, text=True, timeout=120)
+    assert "torch" in heavy.stdout.split(), heavy.stdout + heavy.stderr[-2000:]
