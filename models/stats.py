@@ -1,21 +1,28 @@
-"""Bootstrap intervals for step-wise metrics and decoding rates (DESIGN §4: every value carries a 95% interval).
+"""Intervals for step-wise metrics and decoding rates (DESIGN §4: every value carries a 95% interval).
 
-The unit of resampling is a held-out conversation (an e2e prompt for decoding rates): its counts (`valid`,
-`correct`, `chain`, `chain_correct` per step k, see `models.metrics`) stay together, and a metric of a resample
-is the ratio of the resampled sums, exactly as the point estimate is the ratio of the full sums.
+Two sources of variation, handled each by a method that holds its level:
 
-- One setting, one seed: conversations are drawn with replacement (multinomial weights).
-- Several seeds of one setting (independent training runs): each draw also resamples the seeds with replacement,
-  so the interval covers run-to-run variation as well as the choice of conversations.
+- **Conversations** (held-out conversations; e2e prompts for decoding rates): a bootstrap. A conversation's counts
+  (`valid`, `correct`, `chain`, `chain_correct` per step k, see `models.metrics`) stay together, and a metric of a
+  resample is the ratio of the resampled sums, exactly as the point estimate is the ratio of the full sums. With
+  several seeds, every seed's counts enter each resample with weight one (seeds are not resampled here).
+- **Seeds** (independent training runs of one setting): a t-interval with S - 1 degrees of freedom. Resampling 3
+  seeds with replacement spans about the minimum to the maximum of the per-seed values (roughly 75% coverage, not
+  95%), so each draw instead adds `Σ_s w_s (m_s - mean m)` over the per-seed metric values m_s of that draw, with
+  `w_s = z_s / sqrt(S u)`, z ~ N(0, 1) per seed and u ~ χ²(S - 1) per draw (`seed_t_weights`). Given the per-seed
+  values this term is exactly (s / sqrt(S)) · T(S - 1), the t-interval's pivot. A draw is thus the conversation
+  bootstrap's value plus the seed term, and the percentile interval of the draws is the convolution of both parts:
+  the bootstrap interval when seeds agree, the t-interval when the seed spread dominates (tests/test_stats.py
+  measures its coverage on synthetic two-level data at 3 and 5 seeds).
 - A difference between two settings is *paired*: both sides use the same conversation weights of a draw (they
-  were evaluated on the same conversations). Their seeds are paired too when both ran the same seed labels: seed
-  n of each side shares the data order and, for trials initialised from an EAGLE-3 checkpoint, the parent run, so
-  a draw takes the same seeds on both sides (pass the same `seed_weights`). Settings with different seed labels
-  are resampled independently. Pairing never biases a difference (each side alone is resampled as before); it
-  only keeps what the two sides share out of the difference's spread.
+  were evaluated on the same conversations). Their seeds are paired too when both ran the same seed labels (seed n
+  of each side shares the data order and, for checkpoint-initialised trials, the parent run): both sides then take
+  the same seed weights, so the seed term of the difference is the t-interval over the per-seed *differences*.
+  Settings with different seed labels draw their seed terms independently (a Welch-like sum of both spreads).
+- One seed: no seed term; a verdict resting on it says "one seed" (stages.findings).
 
-Intervals are percentile intervals of `draws` resamples. A claim "A > B" holds when the interval of A - B lies
-above 0, fails when it lies below, and is inconclusive otherwise (`decide`).
+A claim "A > B" holds when the interval of A - B lies above 0, fails when it lies below, and is inconclusive
+otherwise (`decide`).
 """
 from __future__ import annotations
 
@@ -105,19 +112,26 @@ def multinomial_weights(n: int, draws: int, rng: np.random.Generator) -> np.ndar
     return rng.multinomial(n, np.full(n, 1.0 / n), size=draws).astype(np.float64)
 
 
-def pooled(counts: ConversationCounts, conv_weights: np.ndarray, rng: np.random.Generator,
-           seed_weights: np.ndarray | None = None) -> np.ndarray:
-    """Resampled sums [draws, field, k]: seeds drawn with replacement per draw (by `seed_weights` [draws, seeds]
-    when given, to pair with another setting on the same seeds; else from `rng`), conversations by
-    `conv_weights`."""
-    per_seed = np.einsum("rc,scfk->rsfk", conv_weights, counts.data.astype(np.float64))   # [R, S, F, K]
-    S = counts.seeds
-    if S == 1:
-        return per_seed[:, 0]
-    seed_w = multinomial_weights(S, conv_weights.shape[0], rng) if seed_weights is None else seed_weights
-    if seed_w.shape != (conv_weights.shape[0], S):
-        raise ValueError(f"seed weights of shape {seed_w.shape} for {S} seeds and {conv_weights.shape[0]} draws")
-    return np.einsum("rs,rsfk->rfk", seed_w, per_seed)
+def seed_t_weights(seeds: int, draws: int, rng: np.random.Generator) -> np.ndarray:
+    """[draws, seeds]: weights w with Σ_s w_s (m_s - mean m) ~ (sd(m) / sqrt(S)) · T(S - 1) for any per-seed values
+    m (module docstring). Shared by two settings on the same seeds, they give the t pivot of the paired
+    differences. Zero for one seed (no seed term)."""
+    if seeds < 2:
+        return np.zeros((draws, max(seeds, 1)))
+    z = rng.standard_normal((draws, seeds))
+    u = rng.chisquare(seeds - 1, size=(draws, 1))
+    return z / np.sqrt(seeds * u)
+
+
+def seed_term(per_seed: np.ndarray, seed_weights: np.ndarray) -> np.ndarray:
+    """[R]: Σ_s w_rs (m_rs - mean_s m_rs) for per-seed values m [R, S] (NaN where a seed's value is undefined)."""
+    dev = per_seed - per_seed.mean(1, keepdims=True)
+    return np.einsum("rs,rs->r", seed_weights, dev)
+
+
+def per_seed_sums(counts: ConversationCounts, conv_weights: np.ndarray) -> np.ndarray:
+    """Resampled sums per seed [draws, seeds, field, k]: conversations drawn by `conv_weights` [draws, conv]."""
+    return np.einsum("rc,scfk->rsfk", conv_weights, counts.data.astype(np.float64))
 
 
 def _ratio(num: np.ndarray, den: np.ndarray) -> np.ndarray:
@@ -132,11 +146,15 @@ def _mat(rates: np.ndarray) -> np.ndarray:
 
 @dataclass
 class Draws:
-    """Metrics of every resample (axis 0), plus the point estimates from the full data."""
+    """Metrics of every resample (axis 0). `acc`, `alpha`, `chains` are the conversation bootstrap's (seeds pooled
+    with weight one); `metric()` adds the seed term where `per_seed` (the same metrics per seed, arrays
+    [R * S, K]) and `seed_weights` [R, S] are set."""
 
     acc: np.ndarray            # [R, K]
     alpha: np.ndarray          # [R, K]
     chains: np.ndarray         # [R, K]
+    per_seed: "Draws | None" = None
+    seed_weights: np.ndarray | None = None
 
     @property
     def step_mat(self) -> np.ndarray:
@@ -154,19 +172,51 @@ class Draws:
     def chain_retention(self) -> np.ndarray:
         return _ratio(self.alpha[:, -1], self.alpha[:, 0])
 
-    def metric(self, name: str) -> np.ndarray:
-        """A metric by name: acc_k, alpha_k, step_mat, chain_mat, step_retention, chain_retention -> [R]."""
+    def pooled_metric(self, name: str) -> np.ndarray:
+        """A metric by name over the pooled resamples: acc_k, alpha_k, step_mat, chain_mat, step_retention,
+        chain_retention -> [R] (the conversation part alone)."""
         if name.startswith(("acc_", "alpha_")):
             family, k = name.rsplit("_", 1)
             arr = self.acc if family == "acc" else self.alpha
             return arr[:, int(k)] if int(k) < arr.shape[1] else np.full(arr.shape[0], np.nan)
         return getattr(self, name)
 
+    def seed_values(self, name: str) -> np.ndarray | None:
+        """[R, S]: the metric of each seed in each resample (None: one seed or no per-seed draws)."""
+        if self.per_seed is None or self.seed_weights is None:
+            return None
+        return self.per_seed.pooled_metric(name).reshape(self.seed_weights.shape)
+
+    def metric(self, name: str) -> np.ndarray:
+        """The metric's draws: the conversation bootstrap plus, with several seeds, the seed t term."""
+        base = self.pooled_metric(name)
+        values = self.seed_values(name)
+        return base if values is None else base + seed_term(values, self.seed_weights)
+
 
 def draws_from_sums(sums: np.ndarray) -> Draws:
     """[R, field, k] summed counts -> metrics per resample."""
     v, c, ch, chc = (sums[:, i] for i in range(len(COUNT_FIELDS)))
     return Draws(acc=_ratio(c, v), alpha=_ratio(chc, ch), chains=ch)
+
+
+def resample(counts: ConversationCounts, conv_weights: np.ndarray, seed_weights: np.ndarray | None = None,
+             rng: np.random.Generator | None = None) -> Draws:
+    """Draws of one setting: conversations by `conv_weights` [R, conv]; with several seeds, the seed term by
+    `seed_weights` [R, seeds] (in sorted seed-label order when it pairs with another setting; else drawn from
+    `rng`)."""
+    sums = per_seed_sums(counts, conv_weights)                           # [R, S, F, K]
+    draws = draws_from_sums(sums.sum(1))
+    S = counts.seeds
+    if S == 1:
+        return draws
+    R = conv_weights.shape[0]
+    w = seed_t_weights(S, R, rng or np.random.default_rng(0)) if seed_weights is None else seed_weights
+    if w.shape != (R, S):
+        raise ValueError(f"seed weights of shape {w.shape} for {S} seeds and {R} draws")
+    draws.per_seed = draws_from_sums(sums.reshape(R * S, *sums.shape[2:]))
+    draws.seed_weights = w
+    return draws
 
 
 def bootstrap_counts(counts: ConversationCounts, draws: int = 2000, seed: int = 0,
@@ -178,7 +228,7 @@ def bootstrap_counts(counts: ConversationCounts, draws: int = 2000, seed: int = 
         conv_weights = multinomial_weights(len(counts.ids), draws, rng)
     if seed_weights is not None:
         counts = counts.by_seed()
-    return draws_from_sums(pooled(counts, conv_weights, rng, seed_weights))
+    return resample(counts, conv_weights, seed_weights, rng)
 
 
 def point(counts: ConversationCounts) -> Draws:
@@ -216,14 +266,26 @@ def decide(diff_draws: np.ndarray, level: float = 0.95) -> tuple[str, tuple[floa
 def ratio_draws(num: np.ndarray, den: np.ndarray, weights: np.ndarray,
                 seed_weights: np.ndarray | None = None) -> np.ndarray:
     """Resampled Σnum / Σden over units (prompts) with weights [R, n] (τ = Σ accepted+1 / Σ rounds, tokens/s).
-    With num, den of shape [seeds, n] the sums run over seeds too, each draw taking the seeds by `seed_weights`
-    [R, seeds] (drawn with replacement, shared with any setting run on the same seeds)."""
+    With num, den of shape [seeds, n] the sums run over every seed (weight one), and each draw adds the seed t term
+    of the per-seed ratios by `seed_weights` [R, seeds] (`seed_t_weights`, shared with any setting decoded on the
+    same seeds)."""
     num, den = np.asarray(num, dtype=np.float64), np.asarray(den, dtype=np.float64)
     if num.ndim == 1:
         return _ratio(weights @ num, weights @ den)
     if seed_weights is None or seed_weights.shape != (weights.shape[0], num.shape[0]):
         raise ValueError(f"seed weights of shape {getattr(seed_weights, 'shape', None)} for {num.shape[0]} seeds "
                          f"and {weights.shape[0]} draws")
-    per_seed = lambda x: weights @ x.T                   # noqa: E731  [R, seeds]
-    return _ratio(np.einsum("rs,rs->r", seed_weights, per_seed(num)),
-                  np.einsum("rs,rs->r", seed_weights, per_seed(den)))
+    n_r, d_r = weights @ num.T, weights @ den.T                                       # [R, seeds]
+    pooled_ratio = _ratio(n_r.sum(1), d_r.sum(1))
+    if num.shape[0] == 1:
+        return pooled_ratio
+    return pooled_ratio + seed_term(_ratio(n_r, d_r), seed_weights)
+
+
+def seed_differences(a: dict[str, float], b: dict[str, float]) -> dict[str, float]:
+    """Per-seed differences a_s - b_s over the seed labels both sides ran (a, b: label -> value)."""
+    return {s: a[s] - b[s] for s in sorted(a, key=_label_order) if s in b}
+
+
+def _label_order(label: str) -> tuple:
+    return (0, int(label), "") if str(label).isdigit() else (1, 0, str(label))

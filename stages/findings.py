@@ -3,8 +3,11 @@
 Every claim is a difference of two settings' metrics (or a conjunction of such differences). A difference holds
 when its 95% bootstrap interval lies above 0, fails when it lies below, and is *inconclusive* otherwise: with the
 interval in the sentence. Differences between settings evaluated on the same conversations are paired (the
-same resampled conversations on both sides); seeds are resampled too where a setting has several, paired when
-both settings ran the same seeds (`stages.results`). A claim whose settings are missing is *not measured*.
+same resampled conversations on both sides); where a setting has several seeds its interval carries a t-interval
+term over seeds (`models.stats`), over the per-seed differences when both settings ran the same seeds, and every
+such verdict prints those per-seed differences. Like is compared with like: a setting run at one seed is compared
+with its own seed's baseline (never a baseline pooled over seeds it never had), and its verdict says "one seed".
+A claim whose settings are missing is *not measured*.
 
 - P1: the deepest KV-only drafter keeps more of its accuracy than EAGLE-3 (step retention acc_6/acc_0) *and* is
   more accurate at step 6 (acc_6) *and* uses the target (acc_0 above the no-target control's).
@@ -15,7 +18,9 @@ both settings ran the same seeds (`stages.results`). A claim whose settings are 
 - E: at the largest data scale decoded for both, the hybrid's relative τ gain over EAGLE-3 continued is smaller
   than `much_smaller_ratio` x its relative step-MAT gain (there must be a clear step-wise gain to shrink).
 - B: the block-wise question (the paper's proposal): the best block drafter reading the target KV beats the one
-  reading projected hidden states, step-wise (step MAT) and end to end (τ).
+  reading projected hidden states, step-wise (step MAT, both free-running block drafters) and end to end (τ at the
+  paper's tree, one tree shared by both). Block drafters' step accuracy is free-running, an autoregressive
+  drafter's teacher-forced: the two families are never compared on step metrics.
 Step metrics are the paper-comparable family (its α_k); chain acceptance is shown beside them in the tables.
 """
 from __future__ import annotations
@@ -26,7 +31,7 @@ from typing import Any
 
 import numpy as np
 
-from models.stats import FAILS, HOLDS, INCONCLUSIVE, decide, interval
+from models.stats import FAILS, HOLDS, INCONCLUSIVE, decide, interval, seed_differences
 from stages.results import E2EGroup, E2EKind, Setting, label
 
 MISSING = "not measured"
@@ -71,17 +76,42 @@ def pct_ci(draws: np.ndarray | None, level: float) -> str:
 
 @dataclass
 class Contrast:
-    """a − b on one metric: its point value, resampled values and verdict on "a − b > 0"."""
+    """a − b on one metric: its point value, resampled values and verdict on "a − b > 0"; `seeds` says on which
+    seeds it rests ("one seed (0)", "3 seeds: +0.07 / +0.21 / +0.15", ...)."""
 
     verdict: str
     diff: float
     ci: tuple[float, float]
     text: str
+    seeds: str = ""
+
+
+def like_with_like(a: Setting, b: Setting) -> tuple[Setting, Setting]:
+    """A one-seed setting against a several-seed one is compared with the other's same seed, when it ran it."""
+    la, lb = a.seed_labels, b.seed_labels
+    if a.n == 1 and b.n > 1 and la and lb and la[0] in lb:
+        return a, b.only(la[0])
+    if b.n == 1 and a.n > 1 and la and lb and lb[0] in la:
+        return a.only(lb[0]), b
+    return a, b
+
+
+def seed_note(a: Setting, b: Setting, metric: str) -> str:
+    """What the difference's seeds are: one seed, the per-seed differences, or unpaired seed counts."""
+    if a.n <= 1 and b.n <= 1:
+        labels = a.seed_labels or b.seed_labels
+        return f"one seed ({labels[0]})" if labels else "one seed"
+    diffs = seed_differences(a.seed_point(metric), b.seed_point(metric))
+    if a.seed_labels and a.seed_labels == b.seed_labels and diffs:
+        return f"{len(diffs)} paired seeds, per seed " + " / ".join(f"{d:+.3f}" for d in diffs.values())
+    return f"seeds not paired ({a.n} vs {b.n})"
 
 
 def contrast(a: Setting, b: Setting, metric: str, level: float = 0.95) -> Contrast:
+    a, b = like_with_like(a, b)
     da, db = a.resampled(metric), b.resampled(metric)
     diff = a.value(metric) - b.value(metric)
+    seeds = seed_note(a, b, metric)
     if da is None or db is None:
         verdict, ci = INCONCLUSIVE, (math.nan, math.nan)
         note = "no interval: the rows lack per-conversation counts"
@@ -90,8 +120,8 @@ def contrast(a: Setting, b: Setting, metric: str, level: float = 0.95) -> Contra
         note = f"difference {fmt(diff)} {fmt_ci(*ci, signed=True)}"
     name = NAMES.get(metric, metric)
     text = (f"{name} {label(a)} {fmt(a.value(metric))} {fmt_ci(*a.ci(metric, level))} vs {label(b)} "
-            f"{fmt(b.value(metric))} {fmt_ci(*b.ci(metric, level))}: {note}")
-    return Contrast(verdict, diff, ci, text)
+            f"{fmt(b.value(metric))} {fmt_ci(*b.ci(metric, level))}: {note} ({seeds})")
+    return Contrast(verdict, diff, ci, text, seeds)
 
 
 def combine(*verdicts: str) -> str:
@@ -323,9 +353,11 @@ def claim_b(studies: dict, e2e: list[E2EGroup] | None, level: float) -> Verdict:
         verdicts.append(MISSING)
         evidence += "; not decoded end to end"
     else:
-        kind = "tuned" if "tuned" in gk.kinds and "tuned" in gh.kinds else None
+        # one tree shared by both (the paper's): trees tuned per drafter would compare two settings
+        kind = "paper" if "paper" in gk.kinds and "paper" in gh.kinds else None
         if kind is None:
             verdicts.append(MISSING)
+            evidence += "; no τ at the paper's tree for both"
         else:
             a, b = gk.kinds[kind], gh.kinds[kind]
             if a.tau is None or b.tau is None:
@@ -333,9 +365,10 @@ def claim_b(studies: dict, e2e: list[E2EGroup] | None, level: float) -> Verdict:
             else:
                 v, ci = decide(a.tau - b.tau, level)
             verdicts.append(v)
-            evidence += (f"; τ at the tuned tree {fmt(a.point['tau'], 2)} vs {fmt(b.point['tau'], 2)}: difference "
-                         f"{fmt(a.point['tau'] - b.point['tau'], 2)} {fmt_ci(*ci, 2, signed=True)}; speedup "
-                         f"{fmt(a.point['speedup'], 2)}x vs {fmt(b.point['speedup'], 2)}x")
+            seeds = f"{gk.n_seeds} seeds decoded" if gk.n_seeds > 1 else "one seed decoded"
+            evidence += (f"; τ at the paper's tree {fmt(a.point['tau'], 2)} vs {fmt(b.point['tau'], 2)}: difference "
+                         f"{fmt(a.point['tau'] - b.point['tau'], 2)} {fmt_ci(*ci, 2, signed=True)} ({seeds}); "
+                         f"speedup at that tree {fmt(a.point['speedup'], 2)}x vs {fmt(b.point['speedup'], 2)}x")
     return Verdict("B", CLAIMS["B"], combine(*verdicts), evidence)
 
 

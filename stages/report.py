@@ -25,7 +25,7 @@ import pandas as pd
 import yaml
 
 from stages.common import Paths, Report, atomic_path, filter_text, write_text_atomic
-from stages.findings import MISSING, Verdict, findings, fmt, fmt_ci
+from stages.findings import MISSING, Verdict, findings, fmt, fmt_ci, like_with_like
 from stages.results import (LOOKUP_KIND, PAPER_TREE, E2EGroup, Results, Setting, collect, label, scale_order,
                             sort_key, variant_name)
 from stages.sections import ReportParams  # noqa: F401 (re-exported: the stage's own section)
@@ -124,10 +124,12 @@ def _vs_cell(s: Setting, base: Setting | None, metric: str, level: float) -> str
         return "–"
     from models.stats import interval
 
+    s, base = like_with_like(s, base)       # one seed: against its own seed's baseline
     diff = s.value(metric) - base.value(metric)
     a, b = s.resampled(metric), base.resampled(metric)
     ci = interval(a - b, level) if a is not None and b is not None else (math.nan, math.nan)
-    return f"{variant_name(base.fields)}: {diff:+.3f} {fmt_ci(*ci, signed=True)}"
+    one = " (seed " + base.seed_labels[0] + ")" if base.n == 1 and base.seed_labels else ""
+    return f"{variant_name(base.fields)}{one}: {diff:+.3f} {fmt_ci(*ci, signed=True)}"
 
 
 # -- the study tables ------------------------------------------------------------------------------------------

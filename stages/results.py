@@ -25,7 +25,7 @@ import pandas as pd
 
 from models.metrics import mat, retention
 from models.stats import (ConversationCounts, Draws, counts_array, draws_from_sums, interval, multinomial_weights,
-                          pooled, ratio_draws)
+                          ratio_draws, resample, seed_t_weights)
 from stages.common import Paths, StageError
 
 # What makes a setting (everything but the seed): the row fields, with the defaults rows from before a field
@@ -101,6 +101,8 @@ class Setting:
     counts: ConversationCounts | None = None      # None: rows without per-conversation counts
     draws: Draws | None = None
     commits: list[str] = field(default_factory=list)
+    trial_seeds: list[Any] = field(default_factory=list)      # the seed of each trial, in `trials` order
+    resampler: "Resampler | None" = field(default=None, repr=False)
 
     @property
     def n(self) -> int:
@@ -119,6 +121,34 @@ class Setting:
     def ci(self, name: str, level: float = 0.95) -> tuple[float, float]:
         d = self.resampled(name)
         return (math.nan, math.nan) if d is None else interval(d, level)
+
+    @property
+    def seed_labels(self) -> tuple[str, ...] | None:
+        """The seeds this setting ran, sorted, when each is labelled once (what pairs two settings' seeds)."""
+        return None if self.counts is None else self.counts.pairable_seeds
+
+    def seed_point(self, name: str) -> dict[str, float]:
+        """The metric of each seed on every conversation (label -> value); empty without labelled counts."""
+        if self.counts is None or self.seed_labels is None:
+            return {}
+        counts = self.counts.by_seed()
+        per = draws_from_sums(counts.data.sum(1).astype(np.float64))          # one "draw" per seed
+        return dict(zip(counts.seed_ids, map(float, per.pooled_metric(name))))
+
+    def only(self, seed: str) -> "Setting":
+        """This setting restricted to one of its seeds (to compare a one-seed setting with its own seed's
+        baseline), resampled on the same conversation weights."""
+        if self.seed_labels is None or seed not in self.seed_labels:
+            raise ValueError(f"setting {self.trials} has no seed {seed!r}")
+        counts = self.counts.by_seed()
+        i = counts.seed_ids.index(seed)
+        one = ConversationCounts(counts.data[[i]], counts.ids, [seed])
+        trials = [t for t, sd in zip(self.trials, self.trial_seeds) if str(sd) == seed] or self.trials
+        sub = Setting(self.study, self.fields, self.extra, trials, 1, [], _point_from_counts(one, []), one, None,
+                      self.commits, [seed])
+        if self.resampler is not None:
+            self.resampler.setting(sub)
+        return sub
 
 
 def _point_from_lists(rows: list[dict]) -> dict[str, float]:
@@ -180,8 +210,10 @@ def build_setting(study: str, group: pd.DataFrame) -> Setting:
             vals = [_num(r.get(key)) for r in rows if r.get(key) is not None]
             point[key] = float(np.mean(vals)) if vals else math.nan
     commits = sorted({str(c) for c in ok["commit"] if c})
-    return Setting(study, fields, json.loads(first["extra"]), sorted(group["trial"]), len(rows), failed, point,
-                   counts, None, commits)
+    by_trial = dict(zip(group["trial"], group["seed"]))
+    trials = sorted(group["trial"])
+    return Setting(study, fields, json.loads(first["extra"]), trials, len(rows), failed, point,
+                   counts, None, commits, [by_trial[t] for t in trials])
 
 
 class Resampler:
@@ -202,19 +234,21 @@ class Resampler:
         """[draws, len(ids)]: the same for every setting on these units (so their differences are paired)."""
         key = (kind, ids)
         if key not in self._weights:
-            self._weights[key] = multinomial_weights(len(ids), self.n, self._rng(kind, *ids))
+            rng = self._rng(kind, *ids)
+            self._weights[key] = (seed_t_weights(len(ids), self.n, rng) if kind == "seeds"
+                                  else multinomial_weights(len(ids), self.n, rng))
         return self._weights[key]
 
     def setting(self, s: Setting) -> None:
+        s.resampler = self
         if s.counts is None or not s.counts.ids:
             return
         ids = tuple(sorted(s.counts.ids))
         counts = s.counts.select(list(ids)).by_seed()
         labels = counts.pairable_seeds
         seed_w = self.weights(labels, kind="seeds") if labels and len(labels) > 1 else None
-        sums = pooled(counts, self.weights(ids), self._rng("seeds", s.study, *map(str, s.fields.values()),
-                                                           json.dumps(s.extra, sort_keys=True)), seed_w)
-        s.draws = draws_from_sums(sums)
+        s.draws = resample(counts, self.weights(ids), seed_w,
+                           self._rng("seeds", s.study, *map(str, s.fields.values()), json.dumps(s.extra, sort_keys=True)))
 
 
 def settings_of(study: str, rows: list[dict], resampler: Resampler) -> list[Setting]:
