@@ -29,8 +29,8 @@ MISSING = "missing"
 # Keys added after results were recorded: left out of the hash while they hold these defaults, so a trial that
 # does not use them keeps the fingerprint it had before they existed (its finished run is reused, not retrained).
 ADDED_DEFAULTS = {"drafter.fc_norm": False, "drafter.norm_output": False, "drafter.no_target": False,
-                  "drafter.block_size": 8, "drafter.context": "hidden", "train.block_anchors": 0,
-                  "train.bucket_window": 1, "train.parent": {}}
+                  "drafter.block_size": 8, "drafter.context": "hidden", "drafter.token_context": False,
+                  "train.block_anchors": 0, "train.bucket_window": 1, "train.parent": {}}
 _CHUNK = 1 << 20
 
 
