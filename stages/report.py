@@ -32,7 +32,7 @@ from stages.sections import ReportParams  # noqa: F401 (re-exported: the stage's
 
 PAPER_NUMBERS = Path(__file__).with_name("paper_numbers.yaml")
 PAPER_LABEL = "paper (Qwen3-8B)"
-FEW_CHAINS = 100   # an α_k measured on fewer chains than this shows its count
+FEW_CHAINS = 100   # an α_k on fewer chains than this (binomial sd up to 0.05) is shown as "few chains", no value
 
 
 def load_paper_numbers(path: Path = PAPER_NUMBERS) -> dict:
@@ -217,13 +217,20 @@ def chain_table(settings: list[Setting], level: float) -> str:
             if s.n == 0:
                 rec[HEAD[name]] = "failed"
                 continue
-            text = cell(s, name, level)
             n = s.value(f"chains_{k}")
-            if math.isfinite(n) and n < FEW_CHAINS and text != "–":
-                text += f" (n={int(n)})"
+            if math.isfinite(n) and n < FEW_CHAINS:
+                rec[HEAD[name]] = f"few chains (n={int(n)})"
                 few = True
-            rec[HEAD[name]] = text
-        rec["chain retention"] = cell(s, "chain_retention", level, pct=True) if s.n else "failed"
+            else:
+                rec[HEAD[name]] = cell(s, name, level)
+        last = s.value(f"chains_{s.steps - 1}") if s.steps else math.nan
+        if not s.n:
+            rec["chain retention"] = "failed"
+        elif math.isfinite(last) and last < FEW_CHAINS:
+            rec["chain retention"] = f"few chains (n={int(last)} at k={s.steps - 1})"
+            few = True
+        else:
+            rec["chain retention"] = cell(s, "chain_retention", level, pct=True)
         rec["chain MAT"] = cell(s, "chain_mat", level) if s.n else "failed"
         chains = [s.value(f"chains_{k}") for k in range(s.steps)]
         rec["chains k=0..6"] = " / ".join(str(int(c)) for c in chains if math.isfinite(c)) or "–"
@@ -232,8 +239,9 @@ def chain_table(settings: list[Setting], level: float) -> str:
         records.append(rec)
     text = md_table(pd.DataFrame.from_records(records))
     if few:
-        text += (f"\n\n(n=…): α_k is measured on the chains still alive at step k; below {FEW_CHAINS} the count "
-                 "is shown.")
+        text += (f"\n\nfew chains (n=…): α_k is measured on the chains still alive at step k; on fewer than "
+                 f"{FEW_CHAINS} its value is too uncertain to show (and so is the chain retention α_6/α_0), the count "
+                 "is shown instead.")
     return text
 
 
@@ -632,6 +640,17 @@ TITLES = {"injection": "Injection study (KV-only, 1 layer)", "depth": "Depth stu
           "block": "Block study (block-wise drafters vs autoregressive ones, equal training steps)"}
 
 
+NOT_DECIDED = "not decided at this training length"
+DEMO_FRACTION = 0.5     # trials trained less than this share of `decisive_steps` make every verdict a demonstration
+
+
+def trained_steps(studies: dict[str, list[Setting] | None]) -> float:
+    """The median optimizer steps of the trials behind the report's settings (NaN: not recorded)."""
+    steps = [s.value("train_steps") for settings in studies.values() for s in settings or [] if s.n]
+    steps = [x for x in steps if math.isfinite(x)]
+    return float(pd.Series(steps).median()) if steps else math.nan
+
+
 def run(params: ReportParams, context: dict, paths: Paths, report: Report) -> None:
     """Read the metrics JSON, write reports/README.md and reports/figures/*.png (atomically)."""
     context = dict(context or {})
@@ -667,7 +686,17 @@ def run(params: ReportParams, context: dict, paths: Paths, report: Report) -> No
           "otherwise it is *inconclusive* (the interval is in the evidence); *not measured*: no data. Drafters "
           "initialised from a trained EAGLE-3 are compared with EAGLE-3 continued for the same schedule "
           "(compute-matched), never with the EAGLE-3 they started from.", ""]
-    md.append(md_table(pd.DataFrame([[v.claim, v.statement, f"**{v.verdict}**", v.evidence] for v in verdicts],
+    steps = trained_steps(studies)
+    demo = params.decisive_steps is not None and math.isfinite(steps) and steps < DEMO_FRACTION * params.decisive_steps
+    if demo:
+        md += [f"**A demonstration, not a decision.** These drafters trained {steps:.0f} optimizer steps (median over "
+               f"trials), {steps / params.decisive_steps:.0%} of the {params.decisive_steps} that decide a claim "
+               "(the study profile's): no verdict below says anything about the paper's claims; each says what its "
+               "interval would read, marked *not decided at this training length*. The decisions are in the study "
+               "profile's report.", ""]
+    shown = [f"**{NOT_DECIDED}** (interval: {v.verdict})" if demo and v.verdict != MISSING else f"**{v.verdict}**"
+             for v in verdicts]
+    md.append(md_table(pd.DataFrame([[v.claim, v.statement, text, v.evidence] for v, text in zip(verdicts, shown)],
                                     columns=["claim", "statement", "verdict", "evidence"])))
     md.append("")
 
@@ -772,7 +801,7 @@ def run(params: ReportParams, context: dict, paths: Paths, report: Report) -> No
     write_text_atomic(paths.reports / "README.md", "\n".join(md))
     n_failed = sum(len(s.failed) for ss in present.values() for s in ss)
     report({"report/settings": float(sum(len(s) for s in present.values())), "report/failed_trials": float(n_failed),
-            "report/claims_holding": float(sum(v.verdict == "holds" for v in verdicts))})
+            "report/claims_holding": float(0 if demo else sum(v.verdict == "holds" for v in verdicts))})
 
 
 __all__ = ["MISSING", "ReportParams", "Verdict", "e2e_baselines", "e2e_check_note", "load_paper_numbers", "run"]

@@ -112,3 +112,6 @@ class ReportParams(Section):
     level: float = Field(0.95, gt=0.5, lt=1.0)         # interval coverage
     much_smaller_ratio: float = Field(0.5, gt=0)       # claim E: e2e relative gain < ratio x step-wise gain
     budget_min: float | None = Field(None, gt=0)      # the wall time a study part should take from a fresh workspace
+    # the training length (optimizer steps) at which a verdict decides a claim: trials trained much less (the
+    # default and smoke profiles) get verdicts that say they are a demonstration (None: every verdict decides)
+    decisive_steps: int | None = Field(None, ge=1)

@@ -378,10 +378,12 @@ def test_alpha_on_few_chains_shows_its_count(tmp_path):
     fx.write(tmp_path / "metrics", {"injection": [r]}, None)
     run(FAST, {"studies": ["injection"]}, Paths(tmp_path), lambda m, step=None: None)
     text = section((tmp_path / "reports" / "README.md").read_text(), "Injection study")
-    assert "(n=…): α_k is measured on the chains still alive" in text
+    assert "few chains (n=…): α_k is measured on the chains still alive" in text
     chain = text.split("Chain acceptance")[1]
-    assert re.search(r"\(n=\d+\)", table_row(chain, "EAGLE-3 (hidden-only)")[3])
-    assert "(n=" not in table_row(chain, "EAGLE-3 (hidden-only)")[2]
+    row = table_row(chain, "EAGLE-3 (hidden-only)")
+    assert re.fullmatch(r"few chains \(n=\d+\)", row[4])                 # α_6: a count, no value
+    assert row[5].startswith("few chains (n=") and "%" not in row[5]     # nor a retention percentage
+    assert "(n=" not in row[2]
 
 
 def test_settings_on_the_same_seeds_are_paired_by_seed():
@@ -475,3 +477,21 @@ def test_the_scale_sections_tie_note_reads_the_scale_decodings_only(tmp_path):
     run(FAST, CONTEXT, paths, lambda *a, **k: None)
     scale = section((paths.reports / "README.md").read_text(), "Scale study")
     assert "the largest here 0.125" in scale and "0.500" not in scale
+
+
+def test_a_short_training_run_is_a_demonstration_not_a_decision(tmp_path):
+    """Trials trained far below `decisive_steps` (the default profile's tens of steps): every verdict says it is
+    not decided at this training length, with what its interval would read, and how far from the study's length."""
+    def short(study, rows):
+        for r in rows:
+            r["train_steps"] = 42
+    paths = project(tmp_path, edit=short)
+    seen = []
+    run(ReportParams(bootstrap_draws=400, decisive_steps=960), CONTEXT, paths, lambda m, step=None: seen.append(m))
+    findings_md = section((paths.reports / "README.md").read_text(), "Findings")
+    assert "trained 42 optimizer steps (median over trials), 4% of the 960" in findings_md
+    for claim in ("P1", "P2", "P3", "H", "E"):
+        assert table_row(findings_md, claim)[2] == f"**not decided at this training length** (interval: {HOLDS})"
+    assert seen[-1]["report/claims_holding"] == 0.0
+    run(ReportParams(bootstrap_draws=400, decisive_steps=40), CONTEXT, paths, lambda m, step=None: None)
+    assert table_row(section((paths.reports / "README.md").read_text(), "Findings"), "P1")[2] == f"**{HOLDS}**"
