@@ -3,7 +3,9 @@
 fingerprint = sha256 over
   * the resolved config sections that affect a trial (target, data, regenerate, features, drafter, train, eval),
   * the content hashes of its input data (the regenerated conversations, the feature cache of its scale, a custom
-    eval set), and
+    eval set),
+  * the hash of the code that determines its numbers (`stages.code_hash.CODE_FILES`: models/ and the stages a trial
+    runs), so a trial trained before a code change is stale after it: retrained, never adopted (DESIGN §8), and
   * the fingerprint of the trial it is initialised from (hybrid/cross_only with init=ckpt), if any.
 
 Data hashes are content hashes, so they agree across clones and machines. Where `dvc.lock` records an output
@@ -21,13 +23,18 @@ from typing import Any
 
 import yaml
 
+from stages.code_hash import code_hash
 from stages.common import Paths, write_json_atomic
 
 # The sections of the resolved config that change what a trial trains or measures.
 TRIAL_SECTIONS = ("target", "data", "regenerate", "features", "drafter", "train", "eval")
 MISSING = "missing"
-# Keys added after results were recorded: left out of the hash while they hold these defaults, so a trial that
-# does not use them keeps the fingerprint it had before they existed (its finished run is reused, not retrained).
+# Keys added after results were recorded: left out of the config hash while they hold these defaults. Before the
+# code hash was part of a fingerprint this kept a trial that does not use a new key reusable; now any change of the
+# code (a new key comes with one) gives every trial a new fingerprint: it no longer keeps anything reusable. It is
+# kept for one purpose: `config_hash`, the settings part of a fingerprint, stays equal for the same settings across
+# code versions, so plans dumped before and after a change compare setting by setting (their fingerprints differ by
+# the code hash alone). A new key whose default changes nothing may be listed here for that reason only.
 ADDED_DEFAULTS = {"drafter.fc_norm": False, "drafter.norm_output": False, "drafter.no_target": False,
                   "drafter.block_size": 8, "drafter.context": "hidden", "drafter.token_context": False,
                   "train.block_anchors": 0, "train.bucket_window": 1, "train.parent": {}}
@@ -148,7 +155,9 @@ def data_hashes(cfg: Any, paths: Paths, cache: HashCache | None = None) -> dict[
     return hashes
 
 
-def fingerprint(cfg: Any, hashes: dict[str, str], parent: str | None = None) -> str:
-    """The trial fingerprint: config sections + input data hashes (+ the parent trial's fingerprint)."""
-    blob = _canonical({"config": config_hash(cfg), "data": hashes, "parent": parent})
+def fingerprint(cfg: Any, hashes: dict[str, str], parent: str | None = None, code: str | None = None) -> str:
+    """The trial fingerprint: config sections + input data hashes + code hash (+ the parent trial's fingerprint).
+    `code` defaults to the project's `code_hash()` (tests pass their own)."""
+    blob = _canonical({"config": config_hash(cfg), "data": hashes, "parent": parent,
+                       "code": code if code is not None else code_hash()})
     return hashlib.sha256(blob.encode()).hexdigest()

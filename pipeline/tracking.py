@@ -22,6 +22,7 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any, Callable, Iterator, TypeVar
 
+from stages.code_hash import code_hash
 from stages.common import Report
 
 T = TypeVar("T")
@@ -151,8 +152,9 @@ class Tracker:
 
     def start_run(self, name: str, parent_id: str | None = None, params: dict[str, Any] | None = None,
                   tags: dict[str, str] | None = None) -> str:
-        """Create a run (nested under `parent_id` if given) with params and tags; return its id."""
-        all_tags = {"study": self.study, **(tags or {})}
+        """Create a run (nested under `parent_id` if given) with params and tags; return its id. Every run is
+        tagged with the code hash it ran with (`code`, as in the metrics rows; DESIGN §8)."""
+        all_tags = {"study": self.study, "code": code_hash(), **(tags or {})}
         if parent_id:
             all_tags["mlflow.parentRunId"] = parent_id
         run = _retry(lambda: self.client.create_run(self.experiment_id, run_name=name,

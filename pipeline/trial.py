@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable
 
+from stages.code_hash import code_hash
 from stages.common import Paths, Report, write_json_atomic, write_text_atomic
 
 RESULT_FILE = "result.json"
@@ -151,11 +152,12 @@ def json_safe(obj: Any) -> Any:
 
 
 def base_row(trial: Trial) -> dict:
-    """The identifying columns of a stepwise row (DESIGN §10), before any metric is known."""
+    """The identifying columns of a stepwise row (DESIGN §10), before any metric is known; `code` is the hash of the
+    code that determines its numbers (part of its fingerprint), which evaluate's own row repeats."""
     d, t = trial.config.drafter, trial.config.train
     return {"trial": trial.name, "study": trial.study, "variant": d.variant, "depth": d.depth,
             "injection": d.injection, "rope_fix": d.rope_fix, "init": d.init, "scale": t.scale, "seed": t.seed,
-            "values": trial.values, "fingerprint": trial.fingerprint,
+            "values": trial.values, "fingerprint": trial.fingerprint, "code": code_hash(),
             **({"data": trial.data_hashes} if trial.data_hashes else {}),
             **({"git_commit": trial.commit} if trial.commit else {})}
 

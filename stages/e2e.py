@@ -18,6 +18,7 @@ from typing import Any, Literal
 
 from pydantic import Field
 
+from stages.code_hash import code_hash
 from stages.common import Paths, Report, Section, StageError, TargetParams, load_target_for, read_jsonl, \
     write_json_atomic
 
@@ -216,7 +217,7 @@ def run(params: E2EParams, run_dirs, paths: Paths, report: Report, *, target: Ta
     for name, setting, kind, spec, lookup in plan:
         row = {**setting, "tree": spec.as_list(), "tree_kind": kind, "lookup_tokens": lookup, **tally[name],
                **baselines, "status": "ok", "dtype": params.dtype, "drafter_weights": params.drafter_weights,
-               "num_prompts": len(prompts), "max_new_tokens": n_new, "tie_tolerance": tol}
+               "num_prompts": len(prompts), "max_new_tokens": n_new, "tie_tolerance": tol, "code": code_hash()}
         rows.append(row)
         report({f"{row['trial']}/{kind}/{key}": float(row[key]) for key in   # one MLflow series per drafter
                 ("tau", "tokens_per_s", "speedup", "draft_time_share", "exact_match", "lossless")})

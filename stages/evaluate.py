@@ -21,6 +21,7 @@ import torch
 import torch.nn.functional as F
 
 from stages import checkpoint as ckpt
+from stages.code_hash import code_hash
 from stages.common import Paths, Report, StageError, TargetParams, load_target_for, write_json_atomic
 from stages.findings import fmt     # '–' where α_k is undefined (no chain reached step k)
 from stages.sections import EvalParams  # noqa: F401 (re-exported: the stage's own section)
@@ -178,7 +179,7 @@ def row_for(run_dir: Path, config: dict, counts, steps: int, positions: int,
            **({k: config["drafter"].get(k) for k in BLOCK_FIELDS} if config["drafter"]["variant"] == "block" else {}),
            **({"block_anchors": t.get("block_anchors")} if config["drafter"]["variant"] == "block" else {}),
            **summary(counts), "n_positions": positions, "counts": counts.to_dict(),
-           **_training_cost(config.get("summary") or {})}
+           **_training_cost(config.get("summary") or {}), "code": code_hash()}
     if per_conversation is not None:
         row["per_conversation"] = per_conversation
     return row

@@ -1,19 +1,25 @@
-"""The whole DAG under DVC on the smoke profile, then ad-hoc sweeps on its data (issues: orchestration, report).
+"""The whole DAG under DVC on the smoke profile, then ad-hoc sweeps on its data (issues: orchestration, report);
+and results that follow the code: each DVC stage lists the code it runs, trial fingerprints hash it.
 
-One fresh workspace for the module: `kvshot repro --profile smoke` builds everything, a second run does nothing,
-and `kvshot sweep` re-uses finished trials by fingerprint.
+One fresh workspace for the slow tests: `kvshot repro --profile smoke` builds everything, a second run does
+nothing, and `kvshot sweep` re-uses finished trials by fingerprint. The code tests are fast: `dvc status` on a
+scratch copy of dvc.yaml and the code, and code hashes over copies (the real files are never touched).
 """
+import ast
 import json
 import os
+import shutil
 import sqlite3
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+import yaml
 
-pytestmark = pytest.mark.slow
+from stages.code_hash import CODE_FILES, code_files, code_hash
 
+ROOT = Path(__file__).resolve().parent.parent
 BIN = Path(sys.executable).parent
 STUDIES = ("injection", "depth", "hybrid", "scale", "block")
 
@@ -36,6 +42,7 @@ def smoke(tmp_path_factory):
     return base / "smoke", env, first
 
 
+@pytest.mark.slow
 def test_repro_builds_every_artifact(smoke):
     ws, _, first = smoke
     for stage in ("prepare", "regenerate", "features", "e2e", "report", *(f"study@{s}" for s in STUDIES)):
@@ -48,6 +55,7 @@ def test_repro_builds_every_artifact(smoke):
         assert rows and all(r["status"] == "ok" for r in rows), study
         for row in rows:
             assert len(row["alpha"]) == 7 and len(row["acc"]) == 7
+            assert row["code"] == code_hash()          # the code its numbers come from
             assert (ws / "runs" / study / row["trial"] / "model.safetensors").is_file()
             assert (ws / "runs" / study / row["trial"] / "config.json").is_file()
         curves = json.loads((ws / "metrics" / "curves" / f"{study}.json").read_text())
@@ -55,6 +63,8 @@ def test_repro_builds_every_artifact(smoke):
     e2e = json.loads((ws / "metrics" / "e2e.json").read_text())
     drafter_rows = [r for r in e2e if r.get("variant") in ("eagle3", "hybrid")]
     assert drafter_rows and all(r["lossless"] for r in drafter_rows)
+    assert all(r["code"] == code_hash() for r in e2e)
+    assert (ws / "models").is_symlink() and (ws / "stages").is_symlink()   # the code dvc.yaml lists, linked in
     assert all(r["speedup"] > 0 and 0 <= r["exact_match"] <= 1 for r in drafter_rows)
     decoded = "+".join(sorted({r["study"] for r in e2e if r.get("study")}))   # the decoding is timed per study
     assert json.loads((ws / "scratch" / "timings.json").read_text())[f"e2e:{decoded}"] > 0
@@ -62,6 +72,7 @@ def test_repro_builds_every_artifact(smoke):
     assert "lossless tree speculative decoding" in printed and "Baselines in the same run" in printed
 
 
+@pytest.mark.slow
 def test_report_has_every_table_figure_and_verdict(smoke):
     ws, _, _ = smoke
     text = (ws / "reports" / "README.md").read_text()
@@ -78,6 +89,7 @@ def test_report_has_every_table_figure_and_verdict(smoke):
         assert (ws / "reports" / fig).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
+@pytest.mark.slow
 def test_second_repro_does_nothing(smoke):
     ws, env, _ = smoke
     again = kvshot("repro", "--profile", "smoke", env=env)
@@ -90,6 +102,7 @@ def test_second_repro_does_nothing(smoke):
     assert "metrics/summary/e2e.json" in shown.stdout and "tau" in shown.stdout, shown.stdout
 
 
+@pytest.mark.slow
 def test_sweeps_track_in_mlflow_and_skip_finished_trials(smoke):
     ws, env, _ = smoke
     # the smoke depth study trained depths 1 and 2: an ad-hoc grid adopts those and trains only what is new
@@ -137,6 +150,7 @@ def test_sweeps_track_in_mlflow_and_skip_finished_trials(smoke):
         assert db.execute("select count(*) from metrics where run_uuid=? and key='mat'", (child,)).fetchone()[0]
 
 
+@pytest.mark.slow
 def test_a_part_of_a_study_runs_in_one_go_from_a_fresh_workspace(tmp_path):
     """`kvshot repro --part STUDY/PART`: the data stages, the part's sweep and the end-to-end decoding of its
     drafters the study marks, nothing of the other studies, and one wall time for the whole in the parts record."""
@@ -159,3 +173,162 @@ def test_a_part_of_a_study_runs_in_one_go_from_a_fresh_workspace(tmp_path):
             "e2e:block --only drafter.variant=block"} <= set(times)
     # the data stages' DVC records are the whole profile's: a later `kvshot repro` picks up from them
     assert "features" in (ws / "dvc.lock").read_text()
+
+
+# -- results that follow the code ---------------------------------------------------------------------------------
+
+# The module(s) each DVC stage runs.
+STAGE_ENTRIES = {"prepare": ["stages.prepare"], "regenerate": ["stages.regenerate"], "features": ["stages.features"],
+                 "study": ["stages.train", "stages.evaluate"], "e2e": ["stages.e2e"], "report": ["stages.report"]}
+# Docstring-only package markers, and evaluate's import of the report's number formatting (findings.fmt, which
+# imports results): it prints a number and changes none of a trial's.
+NOT_CODE = {"models/__init__.py", "stages/__init__.py"}
+PRINT_ONLY = {"stages/findings.py", "stages/results.py"}
+# In the stages' own closure but not in a trial's code hash: the params sections (their resolved values are the
+# trial's hashed config) and the hash itself (a change of CODE_FILES or of how it hashes changes the hash anyway).
+NOT_HASHED = {"stages/sections.py", "stages/code_hash.py"}
+
+
+def _module_file(root: Path, name: str) -> Path | None:
+    p = root.joinpath(*name.split("."))
+    for f in (p / "__init__.py", p.with_suffix(".py")):
+        if f.is_file():
+            return f
+    return None
+
+
+def imported_code(root: Path, entries: list[str]) -> set[str]:
+    """Files of models/ and stages/ that `entries` import, directly or not: every import statement, also those
+    inside functions (they run too), read from the source without importing it."""
+    seen: set[Path] = set()
+    todo = list(entries)
+    while todo:
+        name = todo.pop()
+        f = _module_file(root, name)
+        if f is None or f in seen or f.relative_to(root).parts[0] not in ("models", "stages"):
+            continue
+        seen.add(f)
+        parts = name.split(".")
+        todo += [".".join(parts[:i]) for i in range(1, len(parts))]
+        package = f.relative_to(root).with_suffix("").parts[:-1]
+        for node in ast.walk(ast.parse(f.read_text())):
+            if isinstance(node, ast.Import):
+                todo += [a.name for a in node.names]
+            elif isinstance(node, ast.ImportFrom):
+                base = ".".join(package[:len(package) - node.level + 1] + ((node.module,) if node.module else ())) \
+                    if node.level else node.module
+                todo += [base] + [f"{base}.{a.name}" for a in node.names]
+    return {f.relative_to(root).as_posix() for f in seen}
+
+
+def dvc_code_deps(root: Path = ROOT) -> dict[str, set[str]]:
+    """{stage: the code files its deps name}; a folder dep (`models`) stands for every .py file under it."""
+    tree = yaml.safe_load((root / "dvc.yaml").read_text())["stages"]
+    out = {}
+    for name, stage in tree.items():
+        deps = (stage.get("do") or stage).get("deps") or []
+        files: set[str] = set()
+        for dep in deps:
+            path = root / dep
+            if dep.split("/")[0] not in ("models", "stages"):
+                continue
+            assert path.exists(), f"dvc.yaml: stage {name} lists {dep}, which does not exist"
+            files |= ({p.relative_to(root).as_posix() for p in path.rglob("*.py") if "__pycache__" not in p.parts}
+                      if path.is_dir() else {dep})
+        out[name] = files
+    return out
+
+
+def test_every_dvc_stage_lists_the_code_it_runs():
+    deps = dvc_code_deps()
+    assert set(deps) == set(STAGE_ENTRIES)
+    for stage, entries in STAGE_ENTRIES.items():
+        needed = imported_code(ROOT, entries) - NOT_CODE - (PRINT_ONLY if stage == "study" else set())
+        assert needed - deps[stage] == set(), f"dvc.yaml stage {stage}: deps lack {sorted(needed - deps[stage])}"
+    # the study stages see every file of a trial's code hash: what retrains a trial reruns its stage
+    hashed = {p.relative_to(ROOT).as_posix() for p in code_files()}
+    assert hashed - deps["study"] == set()
+    assert {"models/ttt.py", "stages/train.py", "stages/evaluate.py"} <= hashed and "stages/report.py" not in hashed
+
+
+def test_the_code_hash_holds_the_code_a_trial_runs():
+    """CODE_FILES covers every module train, evaluate, e2e and features import (but the documented exceptions),
+    and each of its literal entries exists."""
+    for pattern in CODE_FILES:
+        assert any(ROOT.glob(pattern)), f"CODE_FILES entry {pattern} matches nothing"
+    hashed = {p.relative_to(ROOT).as_posix() for p in code_files()}
+    runs = imported_code(ROOT, ["stages.train", "stages.evaluate", "stages.e2e", "stages.features"])
+    assert runs - hashed - NOT_CODE - PRINT_ONLY - NOT_HASHED == set()
+    assert "stages/prepare.py" not in hashed and "stages/report.py" not in hashed
+
+
+def _copy_code(dst: Path) -> Path:
+    for name in ("models", "stages"):
+        shutil.copytree(ROOT / name, dst / name, ignore=shutil.ignore_patterns("__pycache__"))
+    return dst
+
+
+def test_a_trial_fingerprint_changes_with_its_code(tmp_path):
+    """Over copies of the code (the real files are untouched): an edit of models/ttt.py gives another code hash
+    and so another fingerprint; an edit of the report does not."""
+    from pipeline.config import load_config
+    from pipeline.fingerprint import fingerprint
+
+    before = code_hash(_copy_code(tmp_path / "a"))
+    model_edit = _copy_code(tmp_path / "b")
+    (model_edit / "models" / "ttt.py").write_text((ROOT / "models" / "ttt.py").read_text() + "\n# changed\n")
+    report_edit = _copy_code(tmp_path / "c")
+    (report_edit / "stages" / "report.py").write_text((ROOT / "stages" / "report.py").read_text() + "\n# changed\n")
+    assert before == code_hash(ROOT)                       # the copy hashes like the project
+    assert code_hash(model_edit) != before
+    assert code_hash(report_edit) == before
+    cfg = load_config("smoke")
+    assert fingerprint(cfg, {}, code=code_hash(model_edit)) != fingerprint(cfg, {}, code=before)
+    assert fingerprint(cfg, {}) == fingerprint(cfg, {}, code=code_hash())   # the project's code by default
+
+
+def _dvc(*args: str, cwd: Path) -> subprocess.CompletedProcess:
+    env = dict(os.environ, DVC_NO_ANALYTICS="1", DVC_SITE_CACHE_DIR=str(cwd / ".dvc-site"))
+    out = subprocess.run([str(BIN / "dvc"), *args], cwd=cwd, env=env, capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, f"dvc {' '.join(args)}: {out.stdout[-1500:]}{out.stderr[-1500:]}"
+    return out
+
+
+def test_dvc_status_reruns_the_stages_a_code_change_affects(tmp_path):
+    """A scratch DVC project with the repo's dvc.yaml, params.yaml and a copy of the code, every stage recorded as
+    done (placeholder outputs): an edit of models/ttt.py changes the study stages and e2e, one of stages/report.py
+    the report alone."""
+    proj = _copy_code(tmp_path)
+    for f in ("dvc.yaml", "params.yaml", ".dvcignore"):
+        shutil.copy(ROOT / f, proj / f)
+    _dvc("init", "--no-scm", "-q", cwd=proj)
+    params = yaml.safe_load((proj / "params.yaml").read_text())
+    studies = [f"study@{s}" for s in params["studies"]]
+    for stage in yaml.safe_load((proj / "dvc.yaml").read_text())["stages"].values():
+        stage = stage.get("do") or stage
+        for kind in ("deps", "outs", "metrics", "plots"):
+            for entry in stage.get(kind) or []:
+                path = next(iter(entry)) if isinstance(entry, dict) else entry
+                for study in params["studies"]:
+                    p = proj / path.replace("${key}", study)
+                    if not p.exists():
+                        if p.suffix in (".json", ".md"):
+                            p.parent.mkdir(parents=True, exist_ok=True)
+                            p.write_text("[]\n" if p.suffix == ".json" else "placeholder\n")
+                        else:
+                            p.mkdir(parents=True)
+    _dvc("commit", "-f", "-q", cwd=proj)
+
+    def changed() -> set[str]:
+        return set(json.loads(_dvc("status", "--json", cwd=proj).stdout or "{}"))
+
+    assert changed() == set()
+    ttt = proj / "models" / "ttt.py"
+    original = ttt.read_text()
+    ttt.write_text(original + "\n# changed\n")
+    assert changed() == set(studies) | {"e2e"}
+    ttt.write_text(original)
+    assert changed() == set()
+    report = proj / "stages" / "report.py"
+    report.write_text(report.read_text() + "\n# changed\n")
+    assert changed() == {"report"}

@@ -1,0 +1,63 @@
+"""The code that determines a trial's numbers, and its content hash.
+
+A trial's fingerprint (pipeline.fingerprint) includes `code_hash()`, so a trial trained before a change of this code
+is stale after it (retrained, never adopted), and every metrics row the evaluate and e2e stages write carries it
+as `code`, so rows computed by different code can be told apart. The study stages of dvc.yaml list the same files
+among their deps (tests/test_repro.py checks that they agree).
+
+CODE_FILES is that file set, in one place: the source of models/ and of the stages a trial runs (train; evaluate;
+e2e, which decodes a trial's drafter; features, which computes the target information online in training and
+offline for the cache) with the helpers they import. Left out on purpose:
+  * the data stages' own modules (prepare, sources): their outputs are hashed as data, content by content;
+  * the report's modules (report, results, findings): they read metrics and change no trial's numbers (evaluate
+    imports `findings.fmt` only to print a number);
+  * pipeline/: which trials run and where their results are tracked, not what a trial computes;
+  * stages/sections.py, the params sections: the resolved values they validate are hashed as the trial's config.
+It lives in stages/ (not pipeline/) because the stages write it into their rows and never import pipeline.
+"""
+from __future__ import annotations
+
+import functools
+import hashlib
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+
+CODE_FILES: tuple[str, ...] = (
+    "models/**/*.py",            # every module and tensor algorithm: drafters, TTT unroll, metrics, decoding
+    "stages/common.py",          # target loading, paths, shared helpers
+    "stages/features.py",        # target features, offline (the cache) and online (inside training)
+    "stages/feature_cache.py",
+    "stages/regenerate.py",      # the chat tokenisation features and training read conversations with
+    "stages/train.py",
+    "stages/checkpoint.py",      # how a trained drafter is saved and rebuilt
+    "stages/export.py",          # checkpoint reads exported drafters through it
+    "stages/evaluate.py",
+    "stages/e2e.py",
+)
+
+
+def code_files(root: Path = ROOT, patterns: tuple[str, ...] = CODE_FILES) -> list[Path]:
+    """The files of `patterns` under `root`, sorted and without duplicates (compiled caches excluded)."""
+    root = Path(root)
+    found = {p for pattern in patterns for p in root.glob(pattern) if p.is_file() and "__pycache__" not in p.parts}
+    return sorted(found, key=lambda p: p.relative_to(root).as_posix())
+
+
+def hash_files(root: Path, files: list[Path]) -> str:
+    """sha256 over (path relative to root, content sha256) of each file: a rename or an edit changes it."""
+    h = hashlib.sha256()
+    for f in files:
+        h.update(f"{f.relative_to(root).as_posix()}\0{hashlib.sha256(f.read_bytes()).hexdigest()}\n".encode())
+    return h.hexdigest()
+
+
+@functools.lru_cache(maxsize=8)
+def _cached(root: str) -> str:
+    return hash_files(Path(root), code_files(Path(root)))
+
+
+def code_hash(root: Path | None = None) -> str:
+    """The content hash of CODE_FILES under `root` (the project by default), computed once per process: a trial's
+    code does not change while a sweep runs, and a new process sees a new code state."""
+    return _cached(str(Path(root or ROOT).resolve()))
