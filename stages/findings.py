@@ -308,7 +308,40 @@ def _e_at_scale(studies: dict, scale: Any, h: E2EGroup, e: E2EGroup, ratio: floa
     # step and τ draws share the seed draws where both have several seeds (the same drafters); conversations
     # and prompts are drawn independently
     verdict, ci = decide(ratio * rs - re_, level)
-    return verdict, f"{evidence}; {ratio:g}× the step gain minus the τ gain {pct_ci(ratio * rs - re_, level)}", True
+    evidence += f"; {ratio:g}× the step gain minus the τ gain {pct_ci(ratio * rs - re_, level)}"
+    power = e_power(kh, ke, ratio * rel_step - rel_e2e, level)
+    return verdict, evidence + (f" ({power})" if power else ""), True
+
+
+TAU_TARGET = 0.015      # the τ gain's interval the study aims for: ±1.5%
+
+
+def prompts_for(half: float, prompts: int, target: float) -> int:
+    """Prompts that shrink a prompt-sampling half-width `half` (measured on `prompts`) to `target` (∝ 1/√n)."""
+    return int(math.ceil(prompts * (half / target) ** 2))
+
+
+def e_power(kh: E2EKind, ke: E2EKind, gap: float, level: float) -> str:
+    """How many prompts would resolve E at the measured gains, and give the τ gain a ±1.5% interval: the prompt
+    part of the τ gain's interval shrinks as 1/√prompts, its seed part does not (more seeds shrink that)."""
+    if kh.tau_prompts is None or ke.tau_prompts is None or not kh.prompts:
+        return ""
+    lo, hi = interval(_rel(kh.tau, ke.tau), level)
+    plo, phi = interval(_rel(kh.tau_prompts, ke.tau_prompts), level)
+    if not all(math.isfinite(x) for x in (lo, hi, plo, phi)):
+        return ""
+    total, prompt = (hi - lo) / 2, (phi - plo) / 2
+    seed = math.sqrt(max(total ** 2 - prompt ** 2, 0.0))
+    parts = [f"power: the τ gain's interval is ±{total:.1%} on {kh.prompts} prompts (prompt part ±{prompt:.1%}, "
+             f"seed part ±{seed:.1%})"]
+    for what, target in ((f"resolving E at the measured gains ({gap:+.1%})", abs(gap)),
+                         (f"a ±{TAU_TARGET:.1%} τ interval", TAU_TARGET)):
+        if target <= seed or target == 0:
+            parts.append(f"{what} takes more seeds: the seed part alone is wider")
+        else:
+            need = prompts_for(prompt, kh.prompts, math.sqrt(target ** 2 - seed ** 2))
+            parts.append(f"{what} needs about {need:,} prompts")
+    return "; ".join(parts)
 
 
 def claim_e(studies: dict, e2e: list[E2EGroup] | None, scales: list[str], ratio: float, level: float) -> Verdict:

@@ -269,6 +269,8 @@ class E2EKind:
     point: dict[str, float]
     tau: np.ndarray | None = None
     speedup: np.ndarray | None = None
+    tau_prompts: np.ndarray | None = None      # τ draws over prompts alone (seeds pooled, no seed term)
+    prompts: int = 0
 
     def ci(self, name: str, level: float = 0.95) -> tuple[float, float]:
         d = getattr(self, name, None) if name in ("tau", "speedup") else None
@@ -321,6 +323,8 @@ def _e2e_kind(rows: list[dict], resampler: Resampler) -> E2EKind:
     w = resampler.weights(ids[0], "prompts")
     sw = resampler.weights(tuple(sorted(seeds)), "seeds") if len(rows) > 1 else np.ones((w.shape[0], 1))
     kind.tau = ratio_draws(a["accepted"], a["rounds"], w, sw)
+    kind.tau_prompts = ratio_draws(a["accepted"].sum(0), a["rounds"].sum(0), w)
+    kind.prompts = len(ids[0])
     kind.point["tau"] = float(a["accepted"].sum() / a["rounds"].sum())
     if "tokens" in a:
         rate = ratio_draws(a["tokens"], a["seconds"], w, sw)

@@ -7,6 +7,7 @@ import re
 import sys
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 from stages.common import Paths, StageError
@@ -495,3 +496,25 @@ def test_a_short_training_run_is_a_demonstration_not_a_decision(tmp_path):
     assert seen[-1]["report/claims_holding"] == 0.0
     run(ReportParams(bootstrap_draws=400, decisive_steps=40), CONTEXT, paths, lambda m, step=None: None)
     assert table_row(section((paths.reports / "README.md").read_text(), "Findings"), "P1")[2] == f"**{HOLDS}**"
+
+
+def test_e_power_says_how_many_prompts_or_that_seeds_are_needed():
+    """The τ gain's interval splits into a prompt part (∝ 1/√prompts) and a seed part: the prompts that would
+    resolve a gap, or 'more seeds' when the seed part alone is wider than the gap."""
+    from stages.findings import e_power, prompts_for
+    from stages.results import E2EKind
+
+    assert prompts_for(0.03, 16, 0.015) == 64
+    rng = np.random.default_rng(0)
+    def kind(spread_prompts, spread_seeds, shift=0.0):
+        k = E2EKind([8, 10, 60], {"tau": 2.0 + shift})
+        k.tau_prompts = 2.0 + shift + rng.normal(0, spread_prompts, 4000)
+        k.tau = k.tau_prompts + rng.normal(0, spread_seeds, 4000)
+        k.prompts = 16
+        return k
+    text = e_power(kind(0.02, 0.0), kind(0.0, 0.0), gap=0.02, level=0.95)
+    assert "on 16 prompts" in text and "resolving E at the measured gains (+2.0%) needs about" in text
+    need = int(text.split("needs about ")[1].split(" ")[0].replace(",", ""))
+    assert 10 <= need <= 40                      # prompt half-width ~2%, target 2%: about the same 16 prompts
+    seeds = e_power(kind(0.01, 0.05), kind(0.0, 0.0), gap=0.004, level=0.95)
+    assert "(+0.4%) takes more seeds: the seed part alone is wider" in seeds
