@@ -11,22 +11,34 @@ Cleaning rules, applied in this order to every conversation (each counted in the
   7. a conversation with no user->assistant pair left is dropped;
   8. exact duplicates (same messages) are dropped; a repeated id on different content gets a `#n` suffix.
 
-Split and scales: each source's clean conversations are shuffled with `split_seed` (and capped at
-`max_conversations`); its first `eval_size` form the held-out `eval` split, and the other segments of those
-conversations (ShareGPT splits long ones into `<id>_0`, `<id>_1`, ...) are dropped, never trained on. The training
-rows of all sources are then shuffled together and numbered: `scale_rank` is a row's position in that order (eval
-rows are numbered the same way among eval rows). Scale `s` is every train row with `scale_rank < scales[s]`, so scales are nested by construction;
-`used` marks the rows some scale or the eval split needs (the rest are kept for larger scales later).
-A scale larger than the training rows available is an error (a "large" scale that silently equals "small" would
-mislabel every result trained on it).
+Held-out split: each source's clean conversations are shuffled with `split_seed` (and capped at
+`max_conversations`), then walked in that order to draw `eval_size` eval conversations plus a reserve of
+`ceil(eval_size * eval_reserve)`. A conversation is skipped by the draw (it stays a training row; both counts are in
+the summary table) when its first user prompt, normalised by `prompt_key`,
+  * is context-free (`CONTEXT_FREE`: "continue", "go on", ... answer nothing without the turns before them), or
+  * is the first prompt of any other conversation of any source: that one would be trained on (or skipped as well),
+    so an eval prompt is never a training prompt, and the test of held-out data is not a test of memory.
+The other segments of the drawn conversations (ShareGPT splits long ones into `<id>_0`, `<id>_1`, ...) are dropped,
+never trained on. The drawn candidates of all sources are shuffled together and numbered (`scale_rank`); in each
+source the first `eval_size` form the `eval` split and the rest the `reserve` split. prepare does not know the
+target's tokenizer: regenerate evaluates, per source, the first `eval_size` candidates (in `scale_rank` order) whose
+first prompt fits `regenerate.max_prompt_tokens`, so a long eval prompt is replaced by a reserve one rather than lost.
+
+Scales: the training rows of all sources are shuffled together and numbered: `scale_rank` is a row's position in
+that order. Scale `s` is every train row with `scale_rank < scales[s]`, so scales are nested by construction;
+`used` marks the rows some scale or the eval split needs (eval, reserve and the largest scale's rows; the rest are
+kept for larger scales later). A scale larger than the training rows available is an error (a "large" scale that
+silently equals "small" would mislabel every result trained on it).
 """
 from __future__ import annotations
 
 import hashlib
 import json
+import math
 import random
 import re
-from collections import Counter
+import unicodedata
+from collections import Counter, defaultdict
 from typing import Iterable, Literal
 
 from pydantic import Field, field_validator
@@ -35,6 +47,7 @@ from stages.common import Paths, Report, Section, StageError, atomic_path
 from stages.sources import LoadStats, iter_records, raw_turns, record_id
 
 EVAL = "eval"
+RESERVE = "reserve"   # drawn eval candidates regenerate promotes when an eval prompt is over its token limit
 ROLES = {"human": "user", "user": "user", "gpt": "assistant", "chatgpt": "assistant", "bing": "assistant",
          "bard": "assistant", "assistant": "assistant", "model": "assistant", "system": "system"}
 
@@ -52,6 +65,7 @@ class SourceParams(Section):
 class DataParams(Section):
     sources: dict[str, SourceParams] = {"sharegpt": SourceParams()}
     eval_size: int = Field(64, ge=1)                 # held-out conversations per source
+    eval_reserve: float = Field(0.5, ge=0.0)         # extra eval candidates per source, a fraction of eval_size
     scales: dict[str, int] = {"small": 400, "large": 1600}   # training conversations per scale (nested subsets)
     max_user_turns: int = Field(2, ge=1)             # user->assistant pairs kept per conversation
     split_seed: int = 0
@@ -72,6 +86,11 @@ class DataParams(Section):
     def largest_scale(self) -> int:
         return max(self.scales.values())
 
+    @property
+    def eval_candidates(self) -> int:
+        """Eval conversations drawn per source: the eval split and its reserve."""
+        return self.eval_size + math.ceil(self.eval_size * self.eval_reserve)
+
 
 # -- selection helpers the later stages share ----------------------------------------------------------------------
 
@@ -91,9 +110,10 @@ def select_rows(rows: Iterable[dict], data: DataParams, which: str) -> list[dict
 
 
 def needed_rows(rows: Iterable[dict], data: DataParams) -> list[dict]:
-    """Rows some scale or the eval split uses: eval plus the largest scale's (later stages ignore the rest)."""
+    """Rows some scale or the eval split uses: eval, its reserve and the largest scale's (later stages ignore the
+    rest)."""
     top = data.largest_scale
-    return [r for r in rows if r.get("split") == EVAL or in_scale(r, top)]
+    return [r for r in rows if r.get("split") in (EVAL, RESERVE) or in_scale(r, top)]
 
 
 # -- cleaning ------------------------------------------------------------------------------------------------------
@@ -187,12 +207,51 @@ def conversation_of(row_id: str) -> str:
     return SEGMENT.sub("", row_id.split("#", 1)[0])
 
 
-def split_and_rank(per_source: dict[str, list[dict]], data: DataParams,
-                   stats: dict[str, LoadStats] | None = None) -> dict[str, list[dict]]:
-    """Held-out eval split per source, then one global, seeded order of the training rows (`scale_rank`).
+# -- the held-out split ---------------------------------------------------------------------------------------------
 
-    A training row from a held-out conversation (another segment of it) is dropped, counted in `stats`."""
-    evals, trains = [], []
+# Text a page scrape of ShareGPT appended to some prompts: a translation extension's button ("translate now"), the
+# site's own "share prompt" button and a "1 / 1" answer counter. Not part of what the user asked.
+SCRAPE_TAILS = ("지금 번역하기", "share prompt", "1 / 1")
+# First prompts that ask for nothing without the turns before them (the openers of ShareGPT's later segments and
+# of conversations whose start was lost), compared with `prompt_key` (so "Continue." and "CONTINUE" match "continue").
+CONTEXT_FREE = frozenset({
+    "", "continue", "please continue", "continue please", "pls continue", "continue writing", "continue writing please",
+    "continue generating", "continue the answer", "keep going", "keep going further", "go on", "please go on",
+    "carry on", "proceed", "go ahead", "more", "more please", "next", "ok", "okay", "yes", "no", "thanks",
+    "thank you", "elaborate", "please elaborate", "finish", "finish it", "finish your answer", "complete it",
+    "继续", "繼續", "계속", "continua", "continuar", "pokracuj", "продолжай",
+})
+SKIP_CONTEXT_FREE = "context-free prompt"
+SKIP_IN_TRAINING = "prompt also in training"
+
+
+def first_prompt(messages: list[dict]) -> str:
+    return next((m["content"] for m in messages if m["role"] == "user"), "")
+
+
+def prompt_key(text: str) -> str:
+    """A prompt as the held-out rules compare it: NFKC, case-folded, the scrape's tails removed, trailing punctuation
+    stripped (so "Continue." is "continue" and "...?" is the question without its mark), whitespace collapsed."""
+    key = " ".join(unicodedata.normalize("NFKC", text).casefold().split())
+    while True:
+        before = key
+        key = key.rstrip()
+        while key and unicodedata.category(key[-1]).startswith("P"):
+            key = key[:-1].rstrip()
+        for tail in SCRAPE_TAILS:
+            key = key.removesuffix(tail)
+        if key == before:
+            return key
+
+
+def split_and_rank(per_source: dict[str, list[dict]], data: DataParams, stats: dict[str, LoadStats] | None = None,
+                   skipped: dict[str, Counter] | None = None) -> dict[str, list[dict]]:
+    """Held-out eval split and reserve per source, then one global, seeded order of the training rows (`scale_rank`).
+
+    A training row from a held-out conversation (another segment of it) is dropped, counted in `stats`; the
+    conversations the eval draw passes over (context-free, or their prompt is another conversation's) are counted in
+    `skipped` and stay training rows."""
+    orders: dict[str, list[dict]] = {}
     for name, rows in per_source.items():
         cap = data.sources[name].max_conversations
         order = list(rows)
@@ -202,18 +261,50 @@ def split_and_rank(per_source: dict[str, list[dict]], data: DataParams,
         if len(order) <= data.eval_size:
             raise StageError(f"data source {name!r}: {len(order)} clean conversations, not more than "
                              f"data.eval_size={data.eval_size}; nothing would be left to train on")
-        held = {conversation_of(r["id"]) for r in order[:data.eval_size]}
-        rest = [r for r in order[data.eval_size:] if conversation_of(r["id"]) not in held]
-        segments = len(order) - data.eval_size - len(rest)
+        orders[name] = order
+    # the conversations (of every source) that open with each prompt: two of them means one is trained on
+    openers: dict[str, set] = defaultdict(set)
+    keys: dict[int, str] = {}
+    for name, order in orders.items():
+        for r in order:
+            keys[id(r)] = prompt_key(first_prompt(r["messages"]))
+            openers[keys[id(r)]].add((name, conversation_of(r["id"])))
+    evals, trains = [], []
+    for name, order in orders.items():
+        drawn, passed = [], Counter()
+        for r in order:
+            if len(drawn) == data.eval_candidates:
+                break
+            if keys[id(r)] in CONTEXT_FREE:
+                passed[SKIP_CONTEXT_FREE] += 1
+            elif len(openers[keys[id(r)]]) > 1:
+                passed[SKIP_IN_TRAINING] += 1
+            else:
+                drawn.append(r)
+        if len(drawn) < data.eval_size:
+            raise StageError(f"data source {name!r}: only {len(drawn)} of {len(order):,} conversations open with a "
+                             f"prompt that is neither context-free nor another conversation's; data.eval_size="
+                             f"{data.eval_size} is too many")
+        held = {conversation_of(r["id"]) for r in drawn}
+        drawn_ids = {id(r) for r in drawn}
+        rest = [r for r in order if id(r) not in drawn_ids and conversation_of(r["id"]) not in held]
+        segments = len(order) - len(drawn) - len(rest)
         if stats is not None and segments:
             stats[name].dropped[EVAL_SEGMENT] += segments
-        evals += [dict(r, split=EVAL) for r in order[:data.eval_size]]
+        if skipped is not None:
+            skipped[name].update(passed)
+        evals += [dict(r, split=EVAL) for r in drawn]
         trains += [dict(r, split="train") for r in rest]
     for group, tag in ((evals, "eval"), (trains, "train")):
         random.Random(f"{data.split_seed}:{tag}").shuffle(group)
         for rank, row in enumerate(group):
             row["scale_rank"] = rank
             row["used"] = tag == "eval" or rank < data.largest_scale  # what regenerate has to answer
+    per_source_eval: Counter = Counter()
+    for row in evals:  # in candidate order: each source's first eval_size are its eval split, the rest its reserve
+        per_source_eval[row["source"]] += 1
+        if per_source_eval[row["source"]] > data.eval_size:
+            row["split"] = RESERVE
     short = {s: n for s, n in data.scales.items() if n > len(trains)}
     if short:
         s, n = max(short.items(), key=lambda kv: kv[1])
@@ -237,7 +328,7 @@ def write_jsonl(path, rows: Iterable[dict]) -> int:
 
 
 def _summary_table(stats: dict[str, LoadStats], edits: dict[str, Counter], kept: dict[str, list[dict]],
-                   data: DataParams):
+                   data: DataParams, skipped: dict[str, Counter] | None = None):
     from rich.table import Table
 
     names = list(stats)
@@ -252,7 +343,11 @@ def _summary_table(stats: dict[str, LoadStats], edits: dict[str, Counter], kept:
     for e in sorted({e for c in edits.values() for e in c}):
         table.add_row(f"[dim]turns: {e}[/dim]", *[f"{edits[n].get(e, 0):,}" for n in names])
     table.add_row("kept", *[f"{len(kept[n]):,}" for n in names])
+    for why in (SKIP_IN_TRAINING, SKIP_CONTEXT_FREE):   # always shown: a zero is a finding too
+        table.add_row(f"eval draw skipped: {why} (trained on)",
+                      *[f"{(skipped or {}).get(n, Counter()).get(why, 0):,}" for n in names])
     table.add_row("eval split", *[f"{sum(r['split'] == EVAL for r in kept[n]):,}" for n in names])
+    table.add_row("eval reserve", *[f"{sum(r['split'] == RESERVE for r in kept[n]):,}" for n in names])
     for s, lim in data.scales.items():
         table.add_row(f"scale {s} (first {lim:,} train)", *[f"{sum(in_scale(r, lim) for r in kept[n]):,}"
                                                             for n in names])
@@ -274,15 +369,19 @@ def run(params: DataParams, paths: Paths, report: Report) -> None:
         cleaned[name] = clean_source(name, records, src.format, params.max_user_turns, stats[name], edits[name])
         for note in stats[name].notes:
             console.print(f"[yellow]{name}: {note}[/yellow]")
-    ranked = split_and_rank(cleaned, params, stats)
+    skipped = {name: Counter() for name in cleaned}
+    ranked = split_and_rank(cleaned, params, stats, skipped)
     metrics: dict[str, float] = {}
     for name, rows in ranked.items():
         write_jsonl(paths.prepared(name), rows)
         st = stats[name]
         metrics.update({f"prepare/{name}/read": st.records, f"prepare/{name}/kept": len(rows),
                         f"prepare/{name}/dropped": sum(st.dropped.values()),
-                        f"prepare/{name}/eval": sum(r["split"] == EVAL for r in rows)})
-    console.print(_summary_table(stats, edits, ranked, params))
+                        f"prepare/{name}/eval": sum(r["split"] == EVAL for r in rows),
+                        f"prepare/{name}/eval_reserve": sum(r["split"] == RESERVE for r in rows),
+                        f"prepare/{name}/eval_skipped_in_training": skipped[name][SKIP_IN_TRAINING],
+                        f"prepare/{name}/eval_skipped_context_free": skipped[name][SKIP_CONTEXT_FREE]})
+    console.print(_summary_table(stats, edits, ranked, params, skipped))
     report(metrics)
 
 
