@@ -12,7 +12,8 @@ from pipeline.sweep import Trial, check_parts, decodes_any, plan, replay
 from stages.train import DrafterParams
 
 # the row fields that tell one drafter setting from another (a row written before a field existed lacks it)
-SETTING = ("variant", "depth", "injection", "rope_fix", "init", "context", "no_target", "fc_norm", "norm_output")
+SETTING = ("variant", "depth", "injection", "rope_fix", "init", "context", "no_target", "token_context", "fc_norm",
+           "norm_output")
 WHOLE = "(whole)"   # the one part of a study that names none
 _DEFAULTS = DrafterParams().model_dump()
 

@@ -56,7 +56,7 @@ SEED = "train.seed"
 PARENT = "train.parent"
 # Drafter settings an eagle3 drafter does not use: a ckpt child's parent ignores them.
 _EAGLE3_IGNORES = ("drafter.variant", "drafter.injection", "drafter.rope_fix", "drafter.init", "drafter.no_target",
-                   "drafter.block_size", "drafter.context")
+                   "drafter.token_context", "drafter.block_size", "drafter.context")
 
 
 # -- planning ----------------------------------------------------------------------------------------------------
@@ -74,6 +74,8 @@ def _token(key: str, value: Any) -> str:
         text = f"s{value}"
     elif short == "no_target":
         text = "no_target" if value else "target"
+    elif short == "token_context":
+        text = "token_context" if value else "no_token_context"
     elif short == "context":
         text = str(value)
     elif short == "block_size":

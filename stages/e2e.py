@@ -112,7 +112,7 @@ def _setting(run_dir: Path, config: dict, root: Path) -> dict[str, Any]:
             "depth": dr.get("depth"),
             "injection": d.get("injection", dr.get("injection")), "rope_fix": d.get("rope_fix", dr.get("rope_fix")),
             "init": d.get("init"), "scale": t.get("scale"), "seed": t.get("seed"), "run_dir": _relative(run_dir, root),
-            **{k: True for k in ("fc_norm", "norm_output", "no_target") if dr.get(k)},
+            **{k: True for k in ("fc_norm", "norm_output", "no_target", "token_context") if dr.get(k)},
             **({k: dr.get(k) for k in ("block_size", "context")} if dr.get("variant") == "block" else {})}
 
 

@@ -159,7 +159,7 @@ def read_conversations(path: Path) -> list[dict]:
 
 # -- the stage ---------------------------------------------------------------------------------------------------
 
-SETTING_FIELDS = ("fc_norm", "norm_output", "no_target")   # drafter options a row names (when on)
+SETTING_FIELDS = ("fc_norm", "norm_output", "no_target", "token_context")   # drafter options a row names (when on)
 BLOCK_FIELDS = ("block_size", "context")                     # and a block drafter's own
 
 

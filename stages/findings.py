@@ -10,7 +10,8 @@ with its own seed's baseline (never a baseline pooled over seeds it never had), 
 A claim whose settings are missing is *not measured*.
 
 - P1: the deepest KV-only drafter keeps more of its accuracy than EAGLE-3 (step retention acc_6/acc_0) *and* is
-  more accurate at step 6 (acc_6) *and* uses the target (acc_0 above the no-target control's).
+  more accurate at step 6 (acc_6) *and* uses the target (acc_0 above the no-target control's, and above the
+  control with context of its own depth, a causal language model over the prefix tokens, where one was trained).
 - P2: KV-only step MAT grows with depth (deepest vs 1 layer) and the 1 -> 2 jump is the largest.
 - P3: EAGLE-3's acc_0 is above the best KV-only drafter's.
 - H: the EAGLE-3-initialised hybrid beats *EAGLE-3 continued for the same schedule* (the compute-matched
@@ -37,7 +38,8 @@ from stages.results import E2EGroup, E2EKind, Setting, label
 MISSING = "not measured"
 CLAIMS = {
     "P1": "KV-only decays more gracefully than hidden-only: the deepest KV-only drafter above EAGLE-3 on step "
-          "retention acc_6/acc_0 and on acc_6, and above the no-target control at step 0",
+          "retention acc_6/acc_0 and on acc_6, and above the no-target controls at step 0 (without context, and "
+          "with context at its own depth where trained)",
     "P2": "KV-only improves with depth (step MAT), the largest jump from 1 to 2 layers",
     "P3": "hidden-only is better at k = 0 (EAGLE-3's acc_0 above every KV-only drafter's)",
     "H": "the hybrid (EAGLE-3 checkpoint init) beats EAGLE-3 continued for the same schedule on step MAT",
@@ -156,7 +158,15 @@ def kv_reader(s: Setting) -> bool:
 
 
 def no_target(s: Setting) -> bool:
-    return s.fields.get("variant") == "kv_only" and bool(s.fields.get("no_target"))
+    """The paper's no-target control: no target information and no context (token t+1 and its own chain)."""
+    return s.fields.get("variant") == "kv_only" and bool(s.fields.get("no_target")) \
+        and not s.fields.get("token_context")
+
+
+def token_control(s: Setting) -> bool:
+    """The control with context: a causal language model of the drafter's shape over the prefix's tokens."""
+    return s.fields.get("variant") == "kv_only" and bool(s.fields.get("no_target")) \
+        and bool(s.fields.get("token_context"))
 
 
 def _depth(s: Setting) -> int:
@@ -173,9 +183,10 @@ def kv_and_eagle(studies: dict[str, list[Setting] | None]) -> tuple[str | None, 
     return None, [], None
 
 
-def control(studies: dict[str, list[Setting] | None]) -> Setting | None:
-    for name in ("injection", *studies):
-        found = [s for s in _ok(studies.get(name)) if no_target(s)]
+def control(studies: dict[str, list[Setting] | None], which=no_target, depth: int | None = None) -> Setting | None:
+    """A control of kind `which` (the no-target control, or `token_control`), at `depth` when given."""
+    for name in ("injection", "depth", *studies):
+        found = [s for s in _ok(studies.get(name)) if which(s) and (depth is None or _depth(s) == depth)]
         if found:
             return found[0]
     return None
@@ -190,18 +201,24 @@ def claim_p1(studies: dict, level: float) -> Verdict:
     deepest = max(kv, key=lambda s: (_depth(s), s.value("step_retention")))
     ret = contrast(deepest, eagle, "step_retention", level)
     acc6 = contrast(deepest, eagle, "acc_6", level)
-    ctrl = control(studies)
     parts = [ret, acc6]
     evidence = f"{name} study: {ret.text}; {acc6.text}"
+    ctrl = control(studies)
     if ctrl is None:
-        used = MISSING
+        used = [MISSING]
         evidence += "; no no-target control trial (kv_only with no_target) to show the KV path is used"
     else:
         uses = contrast(deepest, ctrl, "acc_0", level)
-        parts.append(uses)
-        used = uses.verdict
+        used = [uses.verdict]
         evidence += f"; {uses.text}"
-    return Verdict("P1", CLAIMS["P1"], combine(*[p.verdict for p in parts[:2]], used), evidence)
+    # the control with context, at the KV-only drafter's own depth: the KV path must beat a language model of
+    # the same shape over the same tokens, not only a bigram-like control (where one was trained)
+    ctx = control(studies, token_control, _depth(deepest))
+    if ctx is not None:
+        beats = contrast(deepest, ctx, "acc_0", level)
+        used.append(beats.verdict)
+        evidence += f"; {beats.text}"
+    return Verdict("P1", CLAIMS["P1"], combine(ret.verdict, acc6.verdict, *used), evidence)
 
 
 def claim_p2(studies: dict, level: float) -> Verdict:

@@ -32,7 +32,7 @@ from stages.common import Paths, StageError
 # existed are read with.
 SETTING_DEFAULTS: dict[str, Any] = {"variant": None, "depth": None, "injection": None, "rope_fix": None, "init": None,
                                     "scale": None, "fc_norm": False, "norm_output": False, "no_target": False,
-                                    "block_size": None, "context": None}
+                                    "token_context": False, "block_size": None, "context": None}
 SETTING_KEYS = tuple(SETTING_DEFAULTS)
 PAPER_TREE = (8, 10, 60)
 LOOKUP_KIND = "tuned_lookup"
@@ -444,7 +444,8 @@ def variant_name(f: dict) -> str:
             else "EAGLE-3 (hidden-only)"
         return f"{name} continued" if f.get("init") == "continued" else name
     if v == "kv_only" and f.get("no_target"):
-        return "no target information (control)"
+        return ("token-context control (no target information)" if f.get("token_context")
+                else "no target information (control)")
     name = VARIANT_NAMES.get(v, str(v))
     if v in ("hybrid", "cross_only") and (f.get("fc_norm") or f.get("norm_output")):
         name += " (EAGLE-3.1 norms)" if f.get("fc_norm") and f.get("norm_output") else " (one EAGLE-3.1 norm)"
@@ -479,7 +480,7 @@ def sort_key(fields: dict, scale_order: list[str], extra: dict | None = None) ->
     v = fields.get("variant")
     scale, depth = fields.get("scale"), fields.get("depth")
     return (VARIANT_ORDER.index(v) if v in VARIANT_ORDER else len(VARIANT_ORDER), str(v),
-            bool(fields.get("no_target")), fields.get("init") == "continued",
+            bool(fields.get("no_target")), bool(fields.get("token_context")), fields.get("init") == "continued",
             scale_order.index(scale) if scale in scale_order else len(scale_order), str(scale),
             depth if isinstance(depth, int) else 10**6, str(depth),
             *((fields.get(k) is None, str(fields.get(k))) for k in ("injection", "rope_fix", "init", "fc_norm",

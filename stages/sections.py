@@ -34,6 +34,9 @@ class DrafterParams(Section):
     norm_output: bool = False
     # kv_only with the target prefix masked out of its keys: the paper's "no target information" control
     no_target: bool = False
+    # with no_target: the control with context, a small causal language model of the drafter's own shape over the
+    # prefix's token embeddings (its own keys of the prefix instead of none)
+    token_context: bool = False
     # block (block-wise drafting, DFlash-style): B positions per pass (the root + B-1 predicted tokens) and what its
     # context keys are made of: the fused target features (hidden), the target's own KV (kv), or both
     block_size: int = Field(8, ge=2, le=64)
@@ -43,7 +46,8 @@ class DrafterParams(Section):
         """The options `DrafterConfig.from_target` takes (it refuses block options set on another variant)."""
         return dict(variant=self.variant, depth=self.depth, injection=self.injection, rope_fix=self.rope_fix,
                     draft_vocab_size=self.draft_vocab_size, fc_norm=self.fc_norm, norm_output=self.norm_output,
-                    no_target=self.no_target, block_size=self.block_size, context=self.context)
+                    no_target=self.no_target, token_context=self.token_context, block_size=self.block_size,
+                    context=self.context)
 
 
 class TrainParams(Section):

@@ -151,10 +151,10 @@ def test_failed_missing_and_provenance(full):
                  "small: 300, large: 1200", "arXiv 2604.26412", "95% percentile bootstrap, 400 draws"):
         assert cell in prov
     assert re.search(r"input `metrics/e2e.json`\s*\| sha256 [0-9a-f]{12}", prov)
-    assert table_row(prov, "depth")[1:] == ["25", "0123abc", "10.0 min (sweep)", "–", "2 CPU cores, native bf16"]
+    assert table_row(prov, "depth")[1:] == ["26", "0123abc", "10.0 min (sweep)", "–", "2 CPU cores, native bf16"]
     assert table_row(prov, "hybrid")[3:] == ["19.0 min (sum of trials)", "–", "not recorded"]
     assert table_row(prov, "scale")[4] == "1.7 min"   # its end-to-end decoding, timed apart
-    assert seen == [{"report/settings": 23.0, "report/failed_trials": 1.0, "report/claims_holding": 5.0}]
+    assert seen == [{"report/settings": 24.0, "report/failed_trials": 1.0, "report/claims_holding": 5.0}]
 
 
 def test_every_claim_holds_on_the_paper_like_fixture(full):
@@ -170,6 +170,8 @@ def test_every_claim_holds_on_the_paper_like_fixture(full):
     ("P1", bent(depth={f"kv_only-d{d}": (0.6, 0.3) for d in (1, 2, 3, 4)}), FAILS),
     # the deepest KV-only no better than the no-target control at step 0 (it does not use the target)
     ("P1", bent(injection={"kv_only-no_target": (0.70, 0.69)}), FAILS),
+    # ... or than the control with context of its own depth (a language model over the same tokens)
+    ("P1", bent(depth={"kv_only-d4-token_context": (0.70, 0.69)}), FAILS),
     # deepest KV-only and EAGLE-3 alike: inconclusive, not a win
     ("P1", bent(depth={"kv_only-d4": (0.638, 0.470)}), INCONCLUSIVE),
     # the 3 -> 4 jump dwarfs 1 -> 2
