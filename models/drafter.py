@@ -27,6 +27,11 @@ Pieces (names are the state-dict prefixes):
     `no_target` (kv_only only: the paper's "no target information" control) drops the target prefix from the
     keys and keeps everything else, so a query sees only its own chain t+1 .. t+1+k: the target KV it is handed
     changes nothing.
+    `token_context` (with `no_target`: the control with context) gives that control a prefix of its own: the
+    branch attends causally over the drafter's own entries of the prefix tokens, as a self-attention branch does,
+    so the drafter is a small causal language model of its own depth over the frozen token embeddings (layer 0's
+    prefix keys are its W_K/W_V of the embeddings, a deeper layer's those of its own hidden states there). It
+    reads no target KV at all (`reads_kv` is False): the trainer and the decoder hand it none.
   * hybrid: n = self_attn, o = cross_attn, Δ = o - n, g = σ(W_g[n; o; Δ] + b_g), attention output
     n + g ⊙ W_Δ Δ (`gate`, `delta`). g = 0 gives eagle3 exactly; `force_gate(0.0)` pins it there.
   * `post_attention_layernorm`, `mlp` (SwiGLU).
@@ -114,6 +119,7 @@ class DrafterConfig:
     fc_norm: bool = False                      # EAGLE-3.1: RMSNorm per fused feature before fc
     norm_output: bool = False                  # EAGLE-3.1: step k+1 reads step k's post-final-norm hidden
     no_target: bool = False                    # kv_only control: the target prefix masked out of the keys
+    token_context: bool = False                # no_target control: its own causal keys of the prefix tokens instead
     block_size: int = 8                        # block: positions per pass incl. the root (B-1 tokens predicted)
     context: str = "hidden"                    # block: the context keys, one of CONTEXTS
     extra: dict = field(default_factory=dict)  # free-form notes (e.g. the target's name)
@@ -151,6 +157,12 @@ class DrafterConfig:
                              f"{list(EAGLE_FAMILY)}; variant {self.variant!r} has no fused features")
         if self.no_target and self.variant != "kv_only":
             raise ValueError(f"drafter.no_target is the kv_only control; variant {self.variant!r} does not take it")
+        if self.token_context and not self.no_target:
+            raise ValueError("drafter.token_context is an option of the no-target control: set drafter.no_target "
+                             "(with variant kv_only) too")
+        if self.token_context and (self.injection != "linear" or self.rope_fix):
+            raise ValueError("drafter.injection / drafter.rope_fix shape the target KV injection, which the "
+                             "token_context control does not read: leave them at linear / false")
         if self.reads_kv and self.injection == "head_concat" and self.target_head_dim != self.head_dim:
             raise ValueError(f"drafter.injection='head_concat' needs head_dim == target head_dim "
                              f"({self.head_dim} != {self.target_head_dim})")
@@ -160,7 +172,13 @@ class DrafterConfig:
         """The drafter reads the target KV (the trainer passes `target_kv`, decoding the live target cache)."""
         if self.variant == "block":
             return self.context in ("kv", "both")
-        return self.variant != "eagle3"
+        return self.variant != "eagle3" and not self.token_context
+
+    @property
+    def cross_branch(self) -> bool:
+        """The autoregressive drafter's layers have the KV reader's attention branch (`cross_attn`): every variant
+        but eagle3, the token_context control too (its prefix keys are its own, not the target's)."""
+        return self.variant not in ("eagle3", "block")
 
     @property
     def uses_features(self) -> bool:
@@ -185,15 +203,16 @@ class DrafterConfig:
     @classmethod
     def from_target(cls, target, variant: str = "eagle3", depth: int = 1, injection: str = "linear",
                     rope_fix: bool = False, draft_vocab_size: int = 0, fc_norm: bool = False,
-                    norm_output: bool = False, no_target: bool = False, block_size: int = 8,
-                    context: str = "hidden") -> "DrafterConfig":
+                    norm_output: bool = False, no_target: bool = False, token_context: bool = False,
+                    block_size: int = 8, context: str = "hidden") -> "DrafterConfig":
         """Drafter dimensions = target dimensions (as EAGLE-3); draft_vocab_size 0 or >= vocab means full."""
         V = target.vocab_size
         n = V if draft_vocab_size <= 0 or draft_vocab_size >= V else draft_vocab_size
         rot = target.rotary_emb
         cfg = target.config
         return cls(variant=variant, depth=depth, injection=injection, rope_fix=rope_fix, fc_norm=fc_norm,
-                   norm_output=norm_output, no_target=no_target, block_size=block_size, context=context,
+                   norm_output=norm_output, no_target=no_target, token_context=token_context,
+                   block_size=block_size, context=context,
                    hidden_size=target.hidden_size, num_heads=target.num_heads, num_kv_heads=target.num_kv_heads,
                    head_dim=target.head_dim, intermediate_size=cfg.intermediate_size, vocab_size=V,
                    draft_vocab_size=n, n_features=len(target.feature_layers), n_kv_layers=len(target.kv_layers),
@@ -306,7 +325,7 @@ class DecoderLayer(nn.Module):
             self.hidden_norm = RMSNorm(d, cfg.rms_norm_eps)
         if cfg.variant in ("eagle3", "hybrid"):
             self.self_attn = Attention(in_dim, cfg, cross=False, layer=index)
-        if cfg.reads_kv:
+        if cfg.cross_branch:
             self.cross_attn = Attention(in_dim, cfg, cross=True, layer=index)
         self.hybrid = cfg.variant == "hybrid"
         if self.hybrid:
@@ -426,6 +445,11 @@ class _StepContext:
         return [KeyBlock(K, V, self.self_mask)]
 
     def cross_blocks(self, attn: Attention, k, v, rows=None) -> list[KeyBlock]:
+        if self.drafter.config.token_context:
+            # the control with context: its own entries of the accepted tokens are the prefix, seen as the self
+            # branch sees them (causal among accepted tokens, tree ancestors, itself); no target KV
+            K, V = self._own(attn, k, v, "cross")
+            return [KeyBlock(K, V, self.self_mask)]
         if self.target_kv is None:
             raise ValueError(f"drafter.step: variant {self.drafter.config.variant!r} reads the target KV; "
                              "target_kv is required")

@@ -5,9 +5,10 @@ One implementation for every drafter variant. Step k runs the drafter once over 
 - hidden input (eagle3 family) is fc(features) at step 0 and the drafter's own output hidden of step k-1 after;
 - keys: the self branch sees the step-0 keys of positions <= t (one T x T causal block, shared by all steps)
   plus its own keys of steps 1..k at the same position t; the cross branch sees the injected target KV of
-  positions <= t (T x T causal) plus its own cross keys of steps 0..k at t. The same-position keys are diag
-  blocks of `models.layers.attend` (O(T) dot products each), merged with the causal block in one softmax, so
-  no (K*T) x (K*T) mask or score matrix is ever built;
+  positions <= t (T x T causal) plus its own cross keys of steps 0..k at t (the token_context control's cross
+  branch is laid out as a self branch: step-0 keys of positions <= t, its own keys of steps 1..k at t). The
+  same-position keys are diag blocks of `models.layers.attend` (O(T) dot products each), merged with the causal
+  block in one softmax, so no (K*T) x (K*T) mask or score matrix is ever built;
 - target: the target's next-token distribution for token t+2+k, i.e. its logits at position t+1+k,
   restricted to the draft vocabulary and renormalised;
 - scored where token t+2+k exists, is a loss-masked (assistant) token and not padding, and the target's
@@ -89,6 +90,8 @@ class _TTTContext:
         return [self._prefix(*self.dense0[attn.layer]), self._chain((attn.layer, "self"), K, V)]
 
     def cross_blocks(self, attn, k, v, rows=None) -> list[KeyBlock]:
+        if self.drafter.config.token_context:     # the control with context: its own step-0 keys are the prefix
+            return self.self_blocks(attn, k, v, rows)
         if attn.layer not in self.prefix and not self.drafter.config.no_target:
             if self.target_kv is None:
                 raise ValueError(f"ttt_unroll: variant {self.drafter.config.variant!r} needs target_kv")
@@ -471,6 +474,8 @@ class _CompactContext:
 
     def cross_blocks(self, attn, k, v, rows=None) -> list[KeyBlock]:
         cfg = self.drafter.config
+        if cfg.token_context:                      # the control with context: its own step-0 keys are the prefix
+            return self.self_blocks(attn, k, v, rows)
         if attn.layer not in self.prefix and not cfg.no_target:
             if self.target_kv is None:
                 raise ValueError(f"ttt_unroll: variant {cfg.variant!r} needs target_kv")

@@ -309,7 +309,8 @@ from tests.drafter_helpers import make_drafter, naive_logits, tiny  # noqa: E402
 DRAFTERS = [dict(variant="eagle3", depth=1), dict(variant="kv_only", depth=2, rope_fix=True),
             dict(variant="kv_only", depth=1, injection="head_concat"), dict(variant="hybrid", depth=1),
             dict(variant="cross_only", depth=1), dict(variant="eagle3", depth=1, fc_norm=True, norm_output=True),
-            dict(variant="kv_only", depth=1, no_target=True)]
+            dict(variant="kv_only", depth=1, no_target=True),
+            dict(variant="kv_only", depth=2, no_target=True, token_context=True)]
 
 
 @pytest.mark.parametrize("arch", ["llama", "qwen3"])

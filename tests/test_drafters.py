@@ -296,3 +296,54 @@ def test_no_target_control_ignores_the_target_kv(llama):
     assert not torch.allclose(c.logits[0], e.logits[0])
     with pytest.raises(ValueError, match="no_target"):
         DrafterConfig.from_target(tgt, variant="hybrid", no_target=True)
+
+
+def test_token_context_control_is_a_causal_lm_without_the_target(llama):
+    """The no-target control with context: the KV-only drafter's shape less the injection, no target KV read in the
+    unroll or in decoding steps (None, or noise, changes nothing), and a causal language model over the prefix:
+    a prediction depends on every earlier token (the bigram control's step 0 on token t+1 alone) and on no later one."""
+    tgt, (ids, feats, kv, logits) = llama
+    d = make_drafter(tgt, variant="kv_only", depth=2, no_target=True, token_context=True)
+    assert not d.config.reads_kv and d.config.uses_features is False
+    reader = make_drafter(tgt, variant="kv_only", depth=2)
+    assert set(d.state_dict()) == {n for n in reader.state_dict() if ".inject." not in n}
+    noise = [(torch.randn_like(k) * 5, torch.randn_like(v) * 5) for k, v in kv]
+
+    def unroll(model, input_ids, target_kv):
+        with torch.no_grad():
+            return ttt_unroll(model, input_ids, torch.ones_like(input_ids), target_kv=target_kv, target_logits=logits,
+                              steps=3, return_logits=True).logits
+
+    a, b = unroll(d, ids, None), unroll(d, ids, noise)
+    assert all(torch.equal(x, y) for x, y in zip(a, b))
+    ref = naive_logits(d, ids, None, None, 3)
+    have = ~torch.isnan(ref)
+    assert (torch.stack(a)[have] - ref[have]).abs().max() <= 1e-5
+    # token 1 (the input of position 0's step 0) changed: every later position's step 0 moves with the context
+    # control, none with the bigram control
+    other = ids.clone()
+    other[:, 1] = (ids[:, 1] + 1) % tgt.vocab_size
+    bigram = make_drafter(tgt, variant="kv_only", depth=2, no_target=True)
+    for model, moves in ((d, True), (bigram, False)):
+        x, y = unroll(model, ids, kv)[0], unroll(model, other, kv)[0]
+        assert torch.equal(x[:, 0], y[:, 0]) is False
+        assert all((not torch.allclose(x[:, t], y[:, t])) == moves for t in range(1, ids.shape[1] - 1))
+    # causal: changing the last token leaves every step-0 prediction before it alone
+    late = ids.clone()
+    late[:, -1] = (ids[:, -1] + 1) % tgt.vocab_size
+    x, y = unroll(d, ids, None)[0], unroll(d, late, None)[0]
+    assert torch.equal(x[:, :-2], y[:, :-2]) and not torch.equal(x[:, -2], y[:, -2])
+
+
+def test_token_context_is_an_option_of_the_no_target_control(llama):
+    tgt, _ = llama
+    with pytest.raises(ValueError, match="token_context is an option of the no-target control"):
+        DrafterConfig.from_target(tgt, variant="kv_only", token_context=True)
+    with pytest.raises(ValueError, match="no_target is the kv_only control"):
+        DrafterConfig.from_target(tgt, variant="eagle3", no_target=True, token_context=True)
+    for bad in (dict(injection="head_concat"), dict(rope_fix=True)):
+        with pytest.raises(ValueError, match="does not read"):
+            DrafterConfig.from_target(tgt, variant="kv_only", no_target=True, token_context=True, **bad)
+    old = DrafterConfig.from_target(tgt, variant="kv_only", no_target=True).to_dict()
+    old.pop("token_context")              # a config.json written before the option existed: the bigram control
+    assert DrafterConfig.from_dict(old).token_context is False

@@ -7,6 +7,10 @@ from models.ttt import ttt_unroll
 from tests.drafter_helpers import VARIANT_GRID, assert_same_with_grads, capture, make_drafter, naive_logits, tiny
 
 K = 3
+# the no-target control with context (a causal LM over the prefix tokens, no target KV) at two depths, beside the
+# shared grid
+GRID = VARIANT_GRID + [dict(variant="kv_only", depth=1, no_target=True, token_context=True),
+                       dict(variant="kv_only", depth=2, no_target=True, token_context=True)]
 
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -22,7 +26,7 @@ def _name(spec):
     return "-".join(f"{v}" for v in spec.values())
 
 
-@pytest.mark.parametrize("spec", VARIANT_GRID, ids=[_name(s) for s in VARIANT_GRID])
+@pytest.mark.parametrize("spec", GRID, ids=[_name(s) for s in GRID])
 def test_parallel_unroll_equals_naive_reference(setup, spec):
     tgt, (ids, feats, kv, logits) = setup
     d = make_drafter(tgt, **spec)
@@ -224,7 +228,7 @@ def _vocab_drafter(tgt, spec):
     return d
 
 
-@pytest.mark.parametrize("spec", VARIANT_GRID, ids=[_name(s) for s in VARIANT_GRID])
+@pytest.mark.parametrize("spec", GRID, ids=[_name(s) for s in GRID])
 def test_compact_unroll_equals_the_full_unroll(setup, spec):
     """Same losses, counts and gradients as every step at every position, right padding and a vocabulary subset."""
     tgt, _ = setup
@@ -242,8 +246,9 @@ def test_compact_unroll_equals_the_full_unroll(setup, spec):
 
 @pytest.mark.parametrize("spec", [dict(variant="eagle3", depth=2), dict(variant="hybrid"),
                                   dict(variant="kv_only", injection="head_concat"), dict(variant="cross_only"),
-                                  dict(variant="kv_only", no_target=True)],
-                         ids=["eagle3-2", "hybrid", "kv_only-concat", "cross_only", "no_target"])
+                                  dict(variant="kv_only", no_target=True),
+                                  dict(variant="kv_only", depth=2, no_target=True, token_context=True)],
+                         ids=["eagle3-2", "hybrid", "kv_only-concat", "cross_only", "no_target", "token_context"])
 def test_compact_unroll_with_left_padding(spec):
     """Left padding takes the explicit-mask path (per-sequence attention of the computed rows): still equal."""
     tgt = tiny("llama")
@@ -388,7 +393,8 @@ def test_compact_unroll_when_little_or_nothing_is_scored(tail):
     ids, feats, kv, logits = capture(tgt, B=2, T=8)
     loss_mask = torch.zeros(2, 8)
     loss_mask[:, 8 - tail:] = 1
-    for spec in (dict(variant="eagle3", depth=2), dict(variant="hybrid"), dict(variant="kv_only", no_target=True)):
+    for spec in (dict(variant="eagle3", depth=2), dict(variant="hybrid"), dict(variant="kv_only", no_target=True),
+                 dict(variant="kv_only", depth=2, no_target=True, token_context=True)):
         d = make_drafter(tgt, **spec).train()
         outs = [ttt_unroll(d, ids, loss_mask, features=feats, target_kv=kv, target_logits=logits, steps=7,
                            compact=c) for c in (False, True)]
