@@ -3,6 +3,12 @@
 Turn by turn: answer j is generated from the target's chat template over the *regenerated* history (system, user_0,
 answer_0, ..., user_j). Only the rows some scale or the eval split uses are regenerated (eval + the largest scale).
 
+The eval split: prepare draws, per source, `eval_size` eval rows and a reserve of further candidates, all ranked by
+`scale_rank`, without knowing the target's tokenizer. This stage evaluates the first `eval_size` candidates (eval or
+reserve, in rank order) whose first prompt fits `max_prompt_tokens`; a candidate that still gets no answer (an empty
+one, a server's refusal) is replaced by the next fitting one. The candidates left over are not regenerated. So the
+later stages see `eval_size` eval rows per source whenever enough candidates fit (the counts are reported).
+
 Over-long prompts: a turn whose prompt exceeds `max_prompt_tokens` ends the conversation there (the pairs answered so
 far are kept); when that is the first turn the conversation is dropped. Both are counted. An empty answer does the same.
 
@@ -40,6 +46,8 @@ from stages.common import (Paths, Report, Section, StageError, StageProgress, Ta
                            read_jsonl)
 
 EVAL = "eval"
+RESERVE = "reserve"             # prepare's spare eval candidates (see stages.prepare)
+OVER_LONG = "prompt over max_prompt_tokens"
 
 
 class RegenerateParams(Section):
@@ -93,6 +101,9 @@ class TransformersBackend:
             temperature=params.temperature if sample else None, top_p=params.top_p if sample else None,
             top_k=None, pad_token_id=self.pad, eos_token_id=sorted(self.eos))
 
+    def too_long(self, history: list[dict]) -> bool:
+        return len(self.target.chat_ids(history, add_generation_prompt=True)) > self.params.max_prompt_tokens
+
     def answer(self, histories: list[list[dict]]) -> list[Answer]:
         import torch
 
@@ -101,7 +112,7 @@ class TransformersBackend:
         ok = []
         for i, ids in enumerate(prompts):
             if len(ids) > self.params.max_prompt_tokens:
-                out[i] = Answer(None, reason="prompt over max_prompt_tokens")
+                out[i] = Answer(None, reason=OVER_LONG)
             else:
                 ok.append(i)
         ok.sort(key=lambda i: (len(prompts[i]), i))
@@ -146,16 +157,15 @@ class OpenAIBackend:
         jobs = [self.pool.submit(self._one, h, self.urls[i % len(self.urls)]) for i, h in enumerate(histories)]
         return [j.result() for j in jobs]
 
-    def _too_long(self, history: list[dict]) -> bool:
+    def too_long(self, history: list[dict]) -> bool:
+        """Over `max_prompt_tokens` by the target's tokenizer; without one the server's own check decides (400)."""
         if self.tokenizer is None:
             return False
-        ids = self.tokenizer.apply_chat_template(history, tokenize=True, add_generation_prompt=True)
-        ids = ids["input_ids"] if hasattr(ids, "keys") else ids
-        return len(ids) > self.params.max_prompt_tokens
+        return prompt_tokens(self.tokenizer, history) > self.params.max_prompt_tokens
 
     def _one(self, history: list[dict], url: str) -> Answer:
-        if self._too_long(history):
-            return Answer(None, reason="prompt over max_prompt_tokens")
+        if self.too_long(history):
+            return Answer(None, reason=OVER_LONG)
         p = self.params
         body = {"model": self.model, "messages": history, "max_tokens": p.max_new_tokens,
                 "temperature": p.temperature, "top_p": p.top_p, "seed": p.sampling_seed}
@@ -185,6 +195,13 @@ class OpenAIBackend:
         if not text:
             return Answer(None, tokens, reason="empty answer")
         return Answer(text, tokens, cut=choice.get("finish_reason") == "length")
+
+
+def prompt_tokens(tokenizer, history: list[dict]) -> int:
+    """Tokens of the prompt that asks for the next answer after `history` (the target's chat template)."""
+    ids = tokenizer.apply_chat_template(history, tokenize=True, add_generation_prompt=True)
+    ids = ids["input_ids"] if hasattr(ids, "keys") else ids
+    return len(ids)
 
 
 # -- the turn-by-turn loop -----------------------------------------------------------------------------------------
@@ -353,11 +370,46 @@ def canonical_order(rows: list[dict]) -> list[dict]:
 
 
 def select_needed(rows: list[dict], largest_scale: int | None) -> list[dict]:
-    """Eval rows plus train rows under `largest_scale`; without a limit, the rows prepare marked `used`."""
+    """Eval candidates (eval and reserve) plus train rows under `largest_scale`; without a limit, the rows prepare
+    marked `used`."""
     if largest_scale is None:
         return [r for r in rows if r.get("used", True)]
-    return [r for r in rows if r.get("split") == EVAL
+    return [r for r in rows if r.get("split") in (EVAL, RESERVE)
             or (r.get("split") == "train" and r.get("scale_rank", largest_scale) < largest_scale)]
+
+
+def opening(row: dict) -> list[dict]:
+    """The history the first answer is asked for from: a leading system message and the first user turn."""
+    msgs = row["messages"]
+    first = next((m for m in msgs if m.get("role") == "user"), None)
+    if first is None:
+        raise StageError(f"prepared row {row['id']!r}: no user turn")
+    return [dict(m) for m in msgs[:1] if m.get("role") == "system"] + [dict(first)]
+
+
+@dataclass
+class EvalChoice:
+    rows: list[dict]             # the eval rows to regenerate now (split `eval`)
+    spare: list[dict]            # further fitting candidates, in rank order, for eval rows that get no answer
+    size: int                    # eval rows wanted: the number prepare put in the eval split
+    counts: dict[str, int]
+
+
+def choose_eval(candidates: list[dict], too_long: Callable[[list[dict]], bool]) -> EvalChoice:
+    """The first `size` eval candidates (eval and reserve rows, by `scale_rank`) whose first prompt fits.
+
+    `size` is the number of rows prepare put in the eval split (data.eval_size); the reserve only fills in."""
+    size = sum(r.get("split") == EVAL for r in candidates)
+    ranked = sorted(candidates, key=lambda r: (r.get("scale_rank", 0), r["id"]))
+    fits = [not too_long(opening(r)) for r in ranked]
+    fitting = [i for i, ok in enumerate(fits) if ok]
+    used = fitting[:size]
+    seen = used[-1] + 1 if len(used) == size and used else len(ranked)   # the candidates the choice looked at
+    chosen = [dict(ranked[i], split=EVAL) for i in used]
+    counts = {"eval_candidates": len(ranked), "eval_wanted": size, "eval_chosen": len(chosen),
+              "eval_over_long": fits[:seen].count(False),
+              "eval_from_reserve": sum(ranked[i].get("split") == RESERVE for i in used)}
+    return EvalChoice(chosen, [dict(ranked[i], split=EVAL) for i in fitting[size:]], size, counts)
 
 
 # -- progress ------------------------------------------------------------------------------------------------------
@@ -469,6 +521,7 @@ def regenerate_rows(rows: list[dict], final: Path, params: RegenerateParams, tar
         if "dropped" in r:
             drops[r["dropped"]] = drops.get(r["dropped"], 0) + 1
     return {"conversations": len(order), "kept": len(kept), "dropped": len(order) - len(kept),
+            "eval_kept": sum(r.get("split") == EVAL for r in kept),
             "resumed": resumed, "ended_early": sum("ended" in r for r in kept),
             "answers_cut": sum(r.get("gen_cut", 0) for r in kept), "dataset_answers": len(kept_as_is),
             "tokens": sum(r.get("gen_tokens", 0) for r in kept), "new_tokens": new_tokens,
@@ -525,14 +578,48 @@ class RegenerateWorker:
         return n
 
 
+def length_check(params: RegenerateParams, target: TargetParams, paths: Paths,
+                 backend: Backend | None = None) -> Callable[[list[dict]], bool]:
+    """Whether a history's next prompt is over `max_prompt_tokens`: the backend's own check where it has one (the
+    same count it refuses by), else the target's tokenizer (Ray workers hold the backends)."""
+    check = getattr(backend, "too_long", None)
+    if check is not None:
+        return check
+    tokenizer = load_tokenizer(target, paths)
+    return lambda history: prompt_tokens(tokenizer, history) > params.max_prompt_tokens
+
+
+def regenerate_source(rows: list[dict], final: Path, params: RegenerateParams, target: TargetParams, paths: Paths,
+                      too_long: Callable[[list[dict]], bool], backend: Backend | None = None,
+                      label: str = "regenerate") -> dict[str, float]:
+    """One source's needed rows: the eval split chosen among prepare's candidates (`choose_eval`), refilled from the
+    fitting spares while an eval row gets no answer, and the training rows."""
+    held = (EVAL, RESERVE)
+    others = [r for r in rows if r.get("split") not in held]
+    choice = choose_eval([r for r in rows if r.get("split") in held], too_long)
+    evals, spare = choice.rows, choice.spare
+    new_tokens, seconds, resumed = 0, 0.0, None
+    while True:   # a refill regenerates only the added rows: the finished ones are reused from the record
+        stats = regenerate_rows(others + evals, final, params, target, paths, backend=backend, label=label)
+        new_tokens, seconds = new_tokens + stats["new_tokens"], seconds + stats["seconds"]
+        resumed = stats["resumed"] if resumed is None else resumed
+        missing = choice.size - stats["eval_kept"]
+        if missing <= 0 or not spare:
+            break
+        evals, spare = evals + spare[:missing], spare[missing:]
+    return {**stats, "resumed": resumed, "new_tokens": new_tokens, "seconds": seconds,
+            "tokens_per_s": new_tokens / max(seconds, 1e-9), **choice.counts,
+            "eval_refilled": len(evals) - len(choice.rows)}
+
+
 def run(params: RegenerateParams, target: TargetParams, sources: list[str], paths: Paths, report: Report,
-        largest_scale: int | None = None) -> None:
+        largest_scale: int | None = None, backend: Backend | None = None) -> None:
     """Regenerate every source's prepared rows that the eval split or some scale uses.
 
     `largest_scale` limits the training rows to `scale_rank < largest_scale`; by default the `used` flag prepare
-    set on each row (eval + the largest scale's rows) decides.
+    set on each row (eval candidates + the largest scale's rows) decides. `backend` replaces the configured one.
     """
-    backend = None
+    too_long = None
     metrics: dict[str, float] = {}
     from rich.console import Console
 
@@ -547,15 +634,29 @@ def run(params: RegenerateParams, target: TargetParams, sources: list[str], path
         rows = select_needed(rows, largest_scale)
         if backend is None and params.workers == 1:
             backend = make_backend(params, target, paths)
-        stats = regenerate_rows(rows, paths.regenerated(source), params, target, paths, backend=backend,
-                                label=f"regenerate {source}")
+        if too_long is None:
+            too_long = length_check(params, target, paths, backend)
+        stats = regenerate_source(rows, paths.regenerated(source), params, target, paths, too_long,
+                                  backend=backend, label=f"regenerate {source}")
         console.print(f"regenerate {source}: {stats['kept']:,}/{stats['conversations']:,} conversations kept "
                       f"({stats['resumed']:,} resumed), {stats['new_tokens']:,} new tokens at "
                       f"{stats['tokens_per_s']:.0f} tok/s{_kept_as_is(stats)}; dropped {stats['dropped']:,}"
                       f"{_reasons(stats)}, ended early "
-                      f"{stats['ended_early']:,}, answers cut at max_new_tokens {stats['answers_cut']:,}")
+                      f"{stats['ended_early']:,}, answers cut at max_new_tokens {stats['answers_cut']:,}; "
+                      f"{_eval_line(stats)}")
+        if stats["eval_kept"] < stats["eval_wanted"]:
+            console.print(f"[yellow]regenerate {source}: only {stats['eval_kept']:,} of {stats['eval_wanted']:,} "
+                          f"eval conversations: too few of prepare's {stats['eval_candidates']:,} candidates fit "
+                          f"max_prompt_tokens={params.max_prompt_tokens} (raise data.eval_reserve)[/yellow]")
         metrics.update({f"regenerate/{source}/{k}": float(v) for k, v in stats.items()})
     report(metrics)
+
+
+def _eval_line(stats: dict) -> str:
+    """'eval 400 of 600 candidates (71 over max_prompt_tokens, 71 from the reserve, 0 refilled)'."""
+    return (f"eval {stats['eval_kept']:,} of {stats['eval_candidates']:,} candidates "
+            f"({stats['eval_over_long']:,} over max_prompt_tokens, {stats['eval_from_reserve']:,} from the reserve, "
+            f"{stats['eval_refilled']:,} refilled)")
 
 
 def _kept_as_is(stats: dict) -> str:

@@ -215,3 +215,63 @@ def test_answers_with_unicode_line_separators_survive_the_partial_file(tmp_path)
                     backend=EchoBackend())
     got = {r["id"]: r for r in read_jsonl(final)}
     assert got["c0"]["messages"][1]["content"] == "re:first\u2028second\x85third" and len(got) == 2   # c1 dropped
+
+
+class LengthBackend(EchoBackend):
+    """Echoes; a first prompt with LONG is over the token limit, one with EMPTY gets an empty answer."""
+
+    def too_long(self, history):
+        return "LONG" in history[-1]["content"]
+
+    def answer(self, histories):
+        self.seen += histories
+        return [Answer(None, reason="prompt over max_prompt_tokens") if self.too_long(h)
+                else Answer(None, reason="empty answer") if "EMPTY" in h[-1]["content"]
+                else Answer("re:" + h[-1]["content"], tokens=2) for h in histories]
+
+
+def _candidates(prompts: list[str], eval_size: int) -> list[dict]:
+    rows = []
+    for rank, p in enumerate(prompts):
+        row = conv(rank, turns=1)
+        row.update(id=f"e{rank}", split="eval" if rank < eval_size else "reserve", scale_rank=rank, used=True)
+        row["messages"][0]["content"] = p
+        rows.append(row)
+    return rows
+
+
+def test_the_eval_split_is_the_first_candidates_that_fit(tmp_path):
+    from stages.prepare import write_jsonl
+    from stages.regenerate import run
+
+    paths = Paths(tmp_path)
+    # prepare's eval split e0..e3 and reserve e4..e7 (ranked); e1 and e4 are over the limit, e2 gets no answer
+    prompts = ["a", "b LONG", "c EMPTY", "d", "e LONG", "f", "g", "h"]
+    train = [dict(conv(10 + i, turns=1), used=True) for i in range(3)]
+    write_jsonl(paths.prepared("s"), _candidates(prompts, 4)[::-1] + train)
+    backend, metrics = LengthBackend(), {}
+    run(RegenerateParams(batch_size=2, window=1), TargetParams(), ["s"], paths,
+        lambda m, step=None: metrics.update(m), backend=backend)
+    got = read_jsonl(paths.regenerated("s"))
+    evals = [r["id"] for r in got if r["split"] == "eval"]
+    assert evals == ["e0", "e3", "e5", "e6"]          # 4 = eval_size: e1, e4 skipped, e2 refilled by e6
+    assert not {r["split"] for r in got} - {"eval", "train"} and len(got) == 4 + 3
+    asked = {h[-1]["content"] for h in backend.seen}
+    assert not {"b LONG", "e LONG", "h"} & asked       # over-long ones never generated, the spare left unused
+    m = {k.removeprefix("regenerate/s/"): v for k, v in metrics.items()}
+    assert m["eval_wanted"] == 4 == m["eval_kept"] and m["eval_candidates"] == 8 and m["eval_over_long"] == 2
+    assert m["eval_from_reserve"] == 1 and m["eval_refilled"] == 1 and m["dropped"] == 1   # e2's empty answer
+
+
+def test_too_few_fitting_candidates_evaluate_what_fits(tmp_path, capsys):
+    from stages.prepare import write_jsonl
+    from stages.regenerate import run
+
+    paths = Paths(tmp_path)
+    write_jsonl(paths.prepared("s"), _candidates(["a LONG", "b", "c LONG", "d LONG"], 2))
+    metrics = {}
+    run(RegenerateParams(batch_size=2, window=1), TargetParams(), ["s"], paths,
+        lambda m, step=None: metrics.update(m), backend=LengthBackend())
+    assert [r["id"] for r in read_jsonl(paths.regenerated("s"))] == ["e1"]
+    assert metrics["regenerate/s/eval_kept"] == 1 and metrics["regenerate/s/eval_over_long"] == 3
+    assert "only 1 of 2 eval conversations" in " ".join(capsys.readouterr().err.split())
