@@ -332,3 +332,19 @@ def test_dvc_status_reruns_the_stages_a_code_change_affects(tmp_path):
     report = proj / "stages" / "report.py"
     report.write_text(report.read_text() + "\n# changed\n")
     assert changed() == {"report"}
+
+
+def test_metric_rows_carry_their_code_hash(tmp_path):
+    """A stepwise row (evaluate's, and a trial's failed row) names the code its numbers come from; e2e rows do too
+    (test_repro_builds_every_artifact checks the written files)."""
+    from models.metrics import StepCounts
+    from pipeline.config import load_config
+    from pipeline.trial import Trial, failed_row
+    from stages.evaluate import row_for
+
+    counts = StepCounts([4] * 7, [2] * 7, [4] * 7, [2] * 7, [4] * 7)
+    config = {"drafter": {"variant": "eagle3", "depth": 1},
+              "params": {"drafter": {"init": "random"}, "train": {"scale": "small", "seed": 0}}}
+    assert row_for(tmp_path / "eagle3", config, counts, steps=7, positions=4)["code"] == code_hash()
+    trial = Trial(name="eagle3", study="solo", values={}, config=load_config("smoke"))
+    assert failed_row(trial, "RuntimeError: x")["code"] == code_hash() != ""
