@@ -177,11 +177,30 @@ def _labels(cols: LabelCols, s: Setting) -> list[str]:
     return out
 
 
-def _seeds(s: Setting) -> str:
-    return f"{s.n} ({len(s.failed)} failed)" if s.failed else str(s.n)
+OTHER_CODE = "‡"     # marks a setting whose rows were computed by other code than the rest of the report's
 
 
-def step_table(study: str, settings: list[Setting], paper: dict | None, level: float) -> str:
+def main_code(studies: dict[str, list[Setting] | None]) -> str | None:
+    """The code hash most of the report's trials were computed by (None: no row records one)."""
+    counts: dict[str, int] = {}
+    for settings in studies.values():
+        for s in settings or []:
+            for c in s.codes:
+                counts[c] = counts.get(c, 0) + s.n
+    return max(sorted(counts), key=counts.get) if counts else None
+
+
+def on_other_code(s: Setting, main: str | None) -> bool:
+    return main is not None and bool(s.codes) and s.codes != [main]
+
+
+def _seeds(s: Setting, main: str | None = None) -> str:
+    text = f"{s.n} ({len(s.failed)} failed)" if s.failed else str(s.n)
+    return text + (f" {OTHER_CODE}" if on_other_code(s, main) else "")
+
+
+def step_table(study: str, settings: list[Setting], paper: dict | None, level: float,
+               main: str | None = None) -> str:
     """Step accuracy (the paper-comparable α_k) in the paper's shape, with each drafter's baseline difference."""
     cols, metrics = STUDY_SHAPES.get(study, GENERIC)
     with_vs = any(baseline_for(s, settings) is not None for s in settings)
@@ -189,7 +208,7 @@ def step_table(study: str, settings: list[Setting], paper: dict | None, level: f
     records = []
     for s in settings:
         rec = dict(zip([c for c, _ in cols], _labels(cols, s)))
-        rec["seeds"] = _seeds(s)
+        rec["seeds"] = _seeds(s, main)
         for m in metrics:
             rec[HEAD[m]] = "failed" if s.n == 0 else cell(s, m, level, pct="retention" in m)
         if with_vs:
@@ -561,13 +580,17 @@ def _study_provenance(res: Results, context: dict) -> pd.DataFrame:
         wall_text = f"{wall / 60:.1f} min (sweep)" if isinstance(wall, (int, float)) else \
             f"{sum(trained) / 60:.1f} min (sum of trials)" if trained else "unknown"
         decoding = study_time(times, "e2e", name)
+        codes = sorted({str(r.get("code"))[:12] for r in rows if r.get("code")})
         records.append({"study": name, "trials": str(len(rows)), "commits": ", ".join(commits) or "unknown",
+                        "code": ", ".join(codes) + (f" ({sum(not r.get('code') for r in rows)} rows not recorded)"
+                                                     if codes and not all(r.get("code") for r in rows) else "")
+                        or "not recorded",
                         "wall time": wall_text,
                         "end to end": f"{decoding / 60:.1f} min" if isinstance(decoding, (int, float)) else "–",
                         "machine": "; ".join(sorted(set(map(str, study_entries(machines, "sweep", name)))))
                         or "not recorded"})
-    return pd.DataFrame.from_records(records, columns=["study", "trials", "commits", "wall time", "end to end",
-                                                       "machine"])
+    return pd.DataFrame.from_records(records, columns=["study", "trials", "commits", "code", "wall time",
+                                                       "end to end", "machine"])
 
 
 def _not_run_yet(context: dict, measured: set[str]) -> list[list[str]]:
@@ -662,6 +685,7 @@ def run(params: ReportParams, context: dict, paths: Paths, report: Report) -> No
                for n, s in res.studies.items()}
     e2e = sorted(res.e2e or [], key=lambda g: sort_key(g.fields, order))
     verdicts = findings(studies, e2e if res.e2e is not None else None, order, params.much_smaller_ratio, params.level)
+    code = main_code(studies)
 
     fig_dir = paths.reports / "figures"
     written: list[str] = []
@@ -729,7 +753,12 @@ def run(params: ReportParams, context: dict, paths: Paths, report: Report) -> No
         if settings:
             if name != "scale":
                 md += ["Step accuracy (the paper-comparable α_k):", "", step_table(name, settings, paper,
-                                                                                  params.level), ""]
+                                                                                  params.level, code), ""]
+                if any(on_other_code(s, code) for s in settings):
+                    md += [f"{OTHER_CODE}: computed by other code than the rest of this report (code hash "
+                           f"{', '.join(c[:12] for s in settings if on_other_code(s, code) for c in s.codes)} "
+                           f"against {code[:12]}): its numbers may not be comparable; rerunning its part "
+                           "retrains it.", ""]
             if name != "scale" and own:
                 decoded = [s for s in settings if any(all(g.fields.get(k) == s.fields.get(k) for k in s.fields)
                                                       for g in own)]

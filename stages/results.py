@@ -77,10 +77,11 @@ def stepwise_frame(study: str, rows: list[dict]) -> pd.DataFrame:
         rec = {k: r.get(k, d) if r.get(k) is not None else d for k, d in SETTING_DEFAULTS.items()}
         rec.update(study=study, trial=str(r.get("trial")), seed=r.get("seed"), error=row_error(r),
                    extra=json.dumps(_extra(r), sort_keys=True, default=str), row=r,
-                   commit=r.get("git_commit"), fingerprint=r.get("fingerprint"), reused_from=r.get("reused_from"))
+                   commit=r.get("git_commit"), fingerprint=r.get("fingerprint"), reused_from=r.get("reused_from"),
+                   code=r.get("code"))
         records.append(rec)
     frame = pd.DataFrame.from_records(records, columns=[*SETTING_KEYS, "study", "trial", "seed", "error", "extra",
-                                                        "row", "commit", "fingerprint", "reused_from"])
+                                                        "row", "commit", "fingerprint", "reused_from", "code"])
     frame["setting"] = ["|".join(str(rec[k]) for k in (*SETTING_KEYS, "extra")) for rec in records]
     return frame
 
@@ -103,6 +104,7 @@ class Setting:
     commits: list[str] = field(default_factory=list)
     trial_seeds: list[Any] = field(default_factory=list)      # the seed of each trial, in `trials` order
     resampler: "Resampler | None" = field(default=None, repr=False)
+    codes: list[str] = field(default_factory=list)            # the code hashes its rows were computed by
 
     @property
     def n(self) -> int:
@@ -212,8 +214,9 @@ def build_setting(study: str, group: pd.DataFrame) -> Setting:
     commits = sorted({str(c) for c in ok["commit"] if c})
     by_trial = dict(zip(group["trial"], group["seed"]))
     trials = sorted(group["trial"])
+    codes = sorted({str(c) for c in ok["code"] if c})
     return Setting(study, fields, json.loads(first["extra"]), trials, len(rows), failed, point,
-                   counts, None, commits, [by_trial[t] for t in trials])
+                   counts, None, commits, [by_trial[t] for t in trials], codes=codes)
 
 
 class Resampler:

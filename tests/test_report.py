@@ -151,9 +151,10 @@ def test_failed_missing_and_provenance(full):
                  "small: 300, large: 1200", "arXiv 2604.26412", "95% percentile bootstrap, 400 draws"):
         assert cell in prov
     assert re.search(r"input `metrics/e2e.json`\s*\| sha256 [0-9a-f]{12}", prov)
-    assert table_row(prov, "depth")[1:] == ["26", "0123abc", "10.0 min (sweep)", "–", "2 CPU cores, native bf16"]
-    assert table_row(prov, "hybrid")[3:] == ["19.0 min (sum of trials)", "–", "not recorded"]
-    assert table_row(prov, "scale")[4] == "1.7 min"   # its end-to-end decoding, timed apart
+    assert table_row(prov, "depth")[1:] == ["26", "0123abc", "not recorded", "10.0 min (sweep)", "–",
+                                            "2 CPU cores, native bf16"]
+    assert table_row(prov, "hybrid")[4:] == ["19.0 min (sum of trials)", "–", "not recorded"]
+    assert table_row(prov, "scale")[5] == "1.7 min"   # its end-to-end decoding, timed apart
     assert seen == [{"report/settings": 24.0, "report/failed_trials": 1.0, "report/claims_holding": 5.0}]
 
 
@@ -520,3 +521,20 @@ def test_e_power_says_how_many_prompts_or_that_seeds_are_needed():
     assert 10 <= need <= 40                      # prompt half-width ~2%, target 2%: about the same 16 prompts
     seeds = e_power(kind(0.01, 0.05), kind(0.0, 0.0), gap=0.004, level=0.95)
     assert "(+0.4%) takes more seeds: the seed part alone is wider" in seeds
+
+
+def test_rows_computed_by_other_code_are_marked(tmp_path):
+    """Every row carries the hash of the code that computed it: a setting whose rows differ from the rest is
+    marked in its table, and each study's provenance lists its code hashes."""
+    def code(study, rows):
+        for r in rows:
+            r["code"] = "b" * 64 if study == "hybrid" and r["trial"].startswith("cross_only-ckpt") else "a" * 64
+    paths = project(tmp_path, edit=code)
+    run(FAST, CONTEXT, paths, lambda m, step=None: None)
+    text = (paths.reports / "README.md").read_text()
+    hyb = section(text, "Hybrid study")
+    assert table_row(hyb, "cross-only", "EAGLE-3 checkpoint")[2] == "2 ‡"
+    assert table_row(hyb, "hybrid", "EAGLE-3 checkpoint")[2] == "5"
+    assert "‡: computed by other code than the rest of this report (code hash bbbbbbbbbbbb against aaaaaaaaaaaa)" in hyb
+    assert "‡" not in section(text, "Depth study")
+    assert table_row(section(text, "Provenance"), "hybrid")[3] == "aaaaaaaaaaaa, bbbbbbbbbbbb"
