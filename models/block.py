@@ -10,8 +10,12 @@ Alignment (mirrors the autoregressive drafters', DESIGN §4). An *anchor* at pos
   (bidirectional within the block); nothing else. No block sees another anchor's block.
 
 Context keys, per drafter layer (the study's axis, `DrafterConfig.context`):
-- `hidden` (DFlash): c = hidden_norm(fc(concat of the target features)) [.., T, d]; the layer's own k_proj/v_proj
-  map c to its context keys/values, keys rotated at the context position pos(t);
+- `hidden` (DFlash): c = hidden_norm(fc(concat of the target features)) [.., T, d]; the layer's context_k_proj /
+  context_v_proj map c to its context keys/values, keys rotated at the context position pos(t). DFlash maps c with
+  the block's own k_proj/v_proj; here c has maps of its own, as the `kv` context has its injection: with one shared
+  map a 2-layer drafter trained briefly stays at the no-target control's step-0 accuracy, far below EAGLE-3's on
+  the same information (the root and mask states and the target features are different inputs, and one value
+  map mixes them; tests/test_block.py::test_hidden_context_block_reaches_eagle3_step0);
 - `kv`: the target's post-RoPE KV of its kv layers, injected per layer by `models.drafter.Injection`
   (`linear` or `head_concat`, `rope_fix`), as the kv_only drafter's prefix;
 - `both`: the two key sets side by side under one joint softmax.
@@ -19,7 +23,7 @@ The block's own keys/values come from the same layer's projections of the block 
 
 Pieces (state-dict names): `embed_tokens` (frozen target embedding, the root's input), `mask_embedding` [d] (the
 masked positions' input), `fc`/`fc_norms`/`hidden_norm` (hidden, both), `layers.i` with `input_layernorm`,
-`self_attn` (q/k/v/o_proj, `inject` for kv/both), `post_attention_layernorm`, `mlp`; `norm`, `lm_head`, `d2t`, `t2d`
+`self_attn` (q/k/v/o_proj, `context_k_proj`/`context_v_proj` for hidden/both, `inject` for kv/both), `post_attention_layernorm`, `mlp`; `norm`, `lm_head`, `d2t`, `t2d`
 as every drafter (`models.drafter.DraftModel`).
 
 Training (`block_unroll`) runs many anchors per sequence in one pass and never builds an (anchors*B)^2 mask or
@@ -69,6 +73,12 @@ class BlockAttention(nn.Module):
         self.v_proj = nn.Linear(d, Hkv * hd, bias=False)
         self.o_proj = nn.Linear(H * hd, d, bias=False)
         self.uses_features, self.reads_kv = cfg.uses_features, cfg.reads_kv
+        if cfg.uses_features:
+            # the fused target features get key/value maps of their own, as the kv context has its injection: one
+            # map shared with the block's token/mask states keeps a 2-layer drafter at the no-target control's
+            # step-0 accuracy (tests/test_block.py, benchmarks/block_fairness.py)
+            self.context_k_proj = nn.Linear(d, Hkv * hd, bias=False)
+            self.context_v_proj = nn.Linear(d, Hkv * hd, bias=False)
         self.register_buffer("hmap", head_map(H, Hkv), persistent=False)
         if cfg.reads_kv:
             self.inject = Injection(cfg)
@@ -85,11 +95,11 @@ class BlockAttention(nn.Module):
 
     def context(self, hidden: torch.Tensor | None, target_kv, rope_h, rope_kv) -> list[tuple[torch.Tensor, torch.Tensor]]:
         """This layer's context (K, V) per source (heads not expanded): the fused hidden [b, S, d] through the
-        layer's own k/v projections, keys rotated by rope_h (cos, sin of the context positions); the target KV
+        layer's context k/v projections, keys rotated by rope_h (cos, sin of the context positions); the target KV
         (per kv layer [b, Hkv_t, S, hd]) through the injection, rope_kv un-rotating for rope_fix."""
         out = []
         if hidden is not None:
-            k, v = self._split(self.k_proj(hidden)), self._split(self.v_proj(hidden))
+            k, v = self._split(self.context_k_proj(hidden)), self._split(self.context_v_proj(hidden))
             cos, sin = rope_h
             out.append((apply_rope(k, cos.to(k.dtype), sin.to(k.dtype)), v))
         if target_kv is not None:
