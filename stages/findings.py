@@ -229,10 +229,15 @@ def claim_p2(studies: dict, level: float) -> Verdict:
     if 1 not in by_depth or 2 not in by_depth:
         return Verdict("P2", CLAIMS["P2"], MISSING, "needs KV-only trials at depths 1 and 2 in the depth study")
     depths = sorted(by_depth)
+    # like with like: where a depth ran one seed, every depth is read at that seed
+    single = [by_depth[d].seed_labels for d in depths if by_depth[d].n == 1 and by_depth[d].seed_labels]
+    if single and all(single[0][0] in (by_depth[d].seed_labels or ()) for d in depths):
+        by_depth = {d: s if s.n == 1 else s.only(single[0][0]) for d, s in by_depth.items()}
     improve = contrast(by_depth[depths[-1]], by_depth[1], "step_mat", level)
     curve = ", ".join(f"{d}: {fmt(by_depth[d].value('step_mat'))}" for d in depths)
     verdicts, notes = [improve.verdict], [f"deepest vs 1 layer: {improve.verdict} (difference "
-                                          f"{fmt(improve.diff)} {fmt_ci(*improve.ci, signed=True)})"]
+                                          f"{fmt(improve.diff)} {fmt_ci(*improve.ci, signed=True)}, "
+                                          f"{improve.seeds})"]
 
     def jump(a: int, b: int) -> tuple[float, np.ndarray | None]:
         sa, sb = by_depth[a], by_depth[b]

@@ -13,6 +13,8 @@ import re
 import sys
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parent.parent
 README = ROOT / "README.md"
 REPORT = ROOT / "results" / "study" / "report.md"
@@ -83,7 +85,22 @@ def seeds_by_label(text: str) -> dict[str, dict[str, dict[str, str]]]:
 
 CONTRAST = re.compile(r"(?P<metric>step retention|acc_\d|step MAT|chain MAT|τ) (?P<a>.+?) (?P<va>-?[\d.]+) "
                       r"\[[^\]]*\] vs (?P<b>.+?) (?P<vb>-?[\d.]+) \[[^\]]*\]: difference (?P<d>-?[\d.]+) "
-                      r"(?P<ci>\[[^\]]*\])")
+                      r"(?P<ci>\[[^\]]*\])(?: \((?P<seeds>one seed(?: \(\w+\))?|\d+ paired seeds, per seed [^)]*|"
+                      r"seeds not paired \(\d+ vs \d+\))\))?")
+
+
+def seed_text(note: str | None) -> str | None:
+    """The report's seed note of a difference, short: '1 (seed 0)', '3 paired: +0.19 / +0.16 / +0.19', ..."""
+    if not note:
+        return None
+    if note.startswith("one seed"):
+        m = re.search(r"\((\w+)\)", note)
+        return f"1 (seed {m.group(1)})" if m else "1"
+    m = re.match(r"(\d+) paired seeds, per seed (.*)", note)
+    if m:
+        return f"{m.group(1)} paired: {m.group(2)}"
+    m = re.match(r"seeds not paired \((\d+) vs (\d+)\)", note)
+    return f"{m.group(1)} vs {m.group(2)}, unpaired" if m else note
 
 
 def _signed(x: str) -> str:
@@ -125,10 +142,13 @@ def decisive(claim: str, verdict: str, evidence: str, seeds: dict) -> list[tuple
     if claim in ("P1", "P3", "H", "B"):
         main = evidence.split("; from scratch")[0]      # H: the from-scratch pair is shown, not decisive
         n = {"P1": 3, "P3": 1, "H": 1, "B": 1}[claim]
-        found, out = _contrasts(main, claim, n)[:n], []
+        found, out = _contrasts(main, claim, n), []
+        found = found if claim == "P1" else found[:n]       # P1: the control with context too, where trained
         for c in found:
-            what = c["metric"] + (" vs the no-target control" if "control" in c["b"] else "")
-            out.append((f"{what} {_signed(c['d'])} {c['ci']}", _both(seed(c["a"]), seed(c["b"]))))
+            what = c["metric"] + (" vs the control with context" if "token-context control" in c["b"] else
+                                  " vs the no-target control" if "control" in c["b"] else "")
+            out.append((f"{what} {_signed(c['d'])} {c['ci']}",
+                        seed_text(c["seeds"]) or _both(seed(c["a"]), seed(c["b"]))))
         t = re.search(r"τ at the (\w+) tree [\d.]+ vs [\d.]+: difference (-?[\d.]+) (\[[^\]]*\])", main)
         if claim == "B" and t:      # decoded end to end: the same two drafters, at the seeds that were decoded
             a, b = found[0]["a"], found[0]["b"]
@@ -141,15 +161,19 @@ def decisive(claim: str, verdict: str, evidence: str, seeds: dict) -> list[tuple
             m = re.match(r"KV-only, (\d+) layers?\b", label)
             if m:
                 by_depth.setdefault(int(m.group(1)), s)
-        deep = re.search(r"deepest vs 1 layer: [\w ]+ \(difference (-?[\d.]+) (\[[^\]]*\])\)", evidence)
+        deep = re.search(r"deepest vs 1 layer: [\w ]+ \(difference (-?[\d.]+) (\[[^\]]*\])", evidence)
         jumps = re.findall(r"jump 1→2 \([^)]*\) minus (\d)→(\d) \([^)]*\): (-?[\d.]+) (\[[^\]]*\])", evidence)
         if not deep or not depths:
             raise ValueError(f"claim P2: no 'deepest vs 1 layer' difference in its evidence: {evidence}")
+        one = re.search(r"deepest vs 1 layer: [\w ]+ \(difference -?[\d.]+ \[[^\]]*\], (one seed(?: \(\w+\))?|[^)]*)\)",
+                        evidence)
+        note = seed_text(one[1]) if one else None
         out = [(f"step MAT, {depths[-1]} layers − 1 {_signed(deep[1])} {deep[2]}",
-                _both(by_depth[depths[-1]], by_depth[1]))]
+                note or _both(by_depth[depths[-1]], by_depth[1]))]
         for a, b, d, ci in jumps:
             used = sorted({1, 2, int(a), int(b)})
-            out.append((f"jump 1→2 minus {a}→{b} {_signed(d)} {ci}", ", ".join(by_depth[x] for x in used)))
+            out.append((f"jump 1→2 minus {a}→{b} {_signed(d)} {ci}",
+                        note if note and note.startswith("1 ") else ", ".join(by_depth[x] for x in used)))
         return out
     if claim == "E":
         out = []
@@ -195,6 +219,9 @@ def readme_block(text: str) -> str:
     return text.split(BEGIN, 1)[1].split(END, 1)[0].strip()
 
 
+CLAIM_PAGES = [README, ROOT / "results" / "study" / "README.md"]     # the pages that carry the claims table
+
+
 def write_readme(readme: Path = README, report: Path = REPORT) -> None:
     text = readme.read_text()
     readme_block(text)      # fails clearly without the markers
@@ -204,11 +231,14 @@ def write_readme(readme: Path = README, report: Path = REPORT) -> None:
 
 # -- the claims table ------------------------------------------------------------------------------------------
 
-def test_readme_claims_table_is_the_reports():
-    """README's table is exactly what the committed report gives (refresh: `python tests/test_docs.py --write`)."""
+@pytest.mark.parametrize("page", CLAIM_PAGES, ids=lambda p: str(p.relative_to(ROOT)))
+def test_readme_claims_table_is_the_reports(page):
+    """README's and the study page's tables are exactly what the committed report gives (refresh:
+    `python tests/test_docs.py --write`)."""
     want = claims_table(REPORT.read_text())
-    assert readme_block(README.read_text()) == want, \
-        "README's claims table differs from results/study/report.md: run `.venv/bin/python tests/test_docs.py --write`"
+    assert readme_block(page.read_text()) == want, \
+        (f"{page.relative_to(ROOT)}'s claims table differs from results/study/report.md: run "
+         "`.venv/bin/python tests/test_docs.py --write`")
 
 
 def test_readme_claims_verdicts_and_numbers_read_from_the_report():
@@ -376,7 +406,8 @@ def test_readme_is_short_and_leads_with_its_commands():
 
 if __name__ == "__main__":
     if "--write" in sys.argv[1:]:
-        write_readme()
-        print(f"rewrote the claims table in {README.relative_to(ROOT)}")
+        for page in CLAIM_PAGES:
+            write_readme(page)
+            print(f"rewrote the claims table in {page.relative_to(ROOT)}")
     else:
         print(claims_table(REPORT.read_text()))
