@@ -50,6 +50,15 @@ vllm-project/speculators `src/speculators/models/eagle3/config.py`, `src/specula
 `vllm/model_executor/models/llama_eagle3.py`, `qwen3_eagle3.py`, `vllm/transformers_utils/configs/speculators/
 algos.py` (`update_eagle3`) and `base.py`; SGLang `python/sglang/srt/models/llama_eagle3.py`.
 
+What an engine needs to serve the export as trained: `torch_dtype` (and the weights) in the target's dtype by
+default (SGLang serves the draft in the dtype it reads); the verifier as a local model directory (`--verifier DIR`
+is read and named by its absolute path; `save_verifier` writes the run's target there, the embedded GGUF
+dequantized) so `vllm serve DIR` of the speculators format loads without the hub; a number of speculative tokens
+that the drafter's measured chain acceptance supports (`speculative_tokens`), not the trained horizon; and, for the
+EAGLE-3.1 options, the card's per-engine table and a one-line warning (`engine_warnings`) where an engine would load
+the drafter wrong without an error (SGLang ignores `fc_norm.*` and `norm_output`; older vLLM builds drop
+`norm_output`).
+
 The export is a pure step: it reads a finished run directory and writes the export into a temporary directory
 beside `--out`, renamed into place at the end, so a failure leaves nothing in `--out`. `read_export` is the way
 back: it rebuilds a kvshot drafter from an exported directory (either format) from the engine fields alone.
