@@ -445,35 +445,6 @@ def write_e2e_summary(paths, rows: list[dict]) -> None:
     write_json_atomic(paths.root / "metrics" / "summary" / "e2e.json", summary)
 
 
-CODE_DIRS = ("models", "stages")   # the folders dvc.yaml names the stages' code in, relative to the project
-
-
-def _share_code(profile: str) -> None:
-    """Link the project's code folders into a profile's workspace: dvc.yaml lists each stage's code among its deps
-    by paths relative to the project (stages/train.py, models), which must resolve in the workspace too; and leave
-    compiled caches out of a folder dep's hash (.dvcignore), so importing the code does not change it."""
-    from pipeline.config import ROOT
-    from pipeline.dvc_workspace import workspace
-
-    if profile == "default":
-        return
-    ws = workspace(profile)
-    ws.mkdir(parents=True, exist_ok=True)
-    for name in CODE_DIRS:
-        link, target = ws / name, ROOT / name
-        if link.is_symlink() and Path(os.readlink(link)) != target:
-            link.unlink()                  # the project moved: point at where it is now
-        if not link.exists() and not link.is_symlink():
-            link.symlink_to(target, target_is_directory=True)
-        elif not link.is_symlink():
-            raise ConfigError(f"workspace {ws}: {name}/ is a folder of its own; remove it (the workspace links "
-                              f"the project's {name}/ there)")
-    ignore = ws / ".dvcignore"
-    lines = ignore.read_text().splitlines() if ignore.is_file() else []
-    if "__pycache__/" not in lines:
-        ignore.write_text("\n".join(lines + ["__pycache__/"]) + "\n")
-
-
 @app.command()
 def repro(profile: Optional[str] = ProfileOpt,
           force: bool = typer.Option(False, "--force", help="Re-run every stage even if up to date."),
@@ -492,7 +463,6 @@ def repro(profile: Optional[str] = ProfileOpt,
         if part is not None:
             if stage or force:
                 raise ConfigError(f"--part {part}: runs on its own, without --stage or --force")
-            _share_code(profile or "default")
             code = _repro_part(cfg, profile or "default", part)
             if code:
                 _fail(f"--part {part} failed (exit {code}); finished work is kept, run again to resume")
@@ -503,7 +473,6 @@ def repro(profile: Optional[str] = ProfileOpt,
             raise ConfigError(f"--stage {bad[0]!r}: not a stage of profile {profile or 'default'}; choices: "
                               f"{', '.join(sorted(known))}")
         check_hardware(cfg)
-        _share_code(profile or "default")
         code = run_repro(cfg, profile or "default", force=force, stages=stage)
         if code:
             _fail(f"dvc repro failed (exit {code}); finished stages are kept, run again to resume")

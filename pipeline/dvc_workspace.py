@@ -16,7 +16,9 @@ from pathlib import Path
 
 import yaml
 
-from pipeline.config import ROOT, Config
+from pipeline.config import ROOT, Config, ConfigError
+
+CODE_DIRS = ("models", "stages")   # the folders dvc.yaml names the stages' code in, relative to the project
 
 
 def dvc_env(root: Path) -> dict[str, str]:
@@ -60,7 +62,27 @@ def prepare_workspace(cfg: Config, profile: str) -> Path:
         subprocess.run(["dvc", "config", "core.analytics", "false"], cwd=ws, env=env, check=True)
     _write_if_changed(ws / "dvc.yaml", (ROOT / "dvc.yaml").read_text())
     _write_if_changed(ws / "params.yaml", yaml.safe_dump(cfg.model_dump(mode="json"), sort_keys=False))
+    share_code(ws)
     return ws
+
+
+def share_code(ws: Path) -> None:
+    """Link the project's code folders into a workspace: dvc.yaml lists each stage's code among its deps by paths
+    relative to the project (stages/train.py, models), which must resolve in the workspace too; and leave compiled
+    caches out of a folder dep's hash (.dvcignore), so importing the code does not change it."""
+    for name in CODE_DIRS:
+        link, target = ws / name, ROOT / name
+        if link.is_symlink() and Path(os.readlink(link)) != target:
+            link.unlink()                  # the project moved: point at where it is now
+        if not link.exists() and not link.is_symlink():
+            link.symlink_to(target, target_is_directory=True)
+        elif not link.is_symlink():
+            raise ConfigError(f"workspace {ws}: {name}/ is a folder of its own; remove it (the workspace links "
+                              f"the project's {name}/ there)")
+    ignore = ws / ".dvcignore"
+    lines = ignore.read_text().splitlines() if ignore.is_file() else []
+    if "__pycache__/" not in lines:
+        ignore.write_text("\n".join(lines + ["__pycache__/"]) + "\n")
 
 
 def repro(cfg: Config, profile: str, force: bool = False, stages: list[str] | None = None) -> int:

@@ -153,19 +153,18 @@ def test_a_profile_workspace_links_the_code_dvc_yaml_lists(tmp_path, monkeypatch
     """dvc.yaml names each stage's code by project-relative paths (stages/train.py, models): a profile's workspace
     links models/ and stages/ and keeps compiled caches out of DVC's folder hashes; a second call changes nothing,
     and a folder of the workspace's own in their place is a one-line error, not replaced."""
-    from pipeline.cli import _share_code
-    from pipeline.config import ConfigError
+    from pipeline.config import ConfigError, load_config
+    from pipeline.dvc_workspace import prepare_workspace, share_code
 
     monkeypatch.setenv("KVSHOT_WORKSPACES", str(tmp_path))
-    _share_code("smoke")
-    _share_code("smoke")
+    cfg = load_config("smoke", [])
+    prepare_workspace(cfg, "smoke")
+    prepare_workspace(cfg, "smoke")
     ws = tmp_path / "smoke"
     for name in ("models", "stages"):
         assert (ws / name).is_symlink() and (ws / name).resolve() == ROOT / name
     assert (ws / "stages" / "train.py").is_file()
-    assert (ws / ".dvcignore").read_text().splitlines() == ["__pycache__/"]
-    _share_code("default")                           # the project root itself: nothing to link
-    assert not (tmp_path / "default").exists()
+    assert (ws / ".dvcignore").read_text().splitlines().count("__pycache__/") == 1     # dvc init wrote its own header
     (tmp_path / "other" / "models").mkdir(parents=True)
     with pytest.raises(ConfigError, match="models/ is a folder of its own"):
-        _share_code("other")
+        share_code(tmp_path / "other")
