@@ -1,0 +1,130 @@
+"""A real serving engine runs kvshot's export: vLLM's CPU build, greedy, with and without the drafter (slow).
+
+The drafter is an EAGLE-3 head trained here for a few steps against the embedded SmolLM2 on the target's own greedy
+answers to the two test prompts (so it drafts those answers well: a drafter vLLM loaded wrong would show near-zero
+acceptance, not a pass). It is exported with `--save-verifier` (the target as the dequantized weights it was trained
+on, a local directory: vLLM runs offline) in both formats. vLLM decodes both prompts greedily, plainly and with the
+drafter; the outputs must be token-identical (lossless), the acceptance counters of `llm.get_metrics()` must have
+been read, and vLLM's acceptance must agree with kvshot's own chain decoding of the same export on the same prompts.
+Everything runs in fp32 (bf16 is not bit-stable across batch shapes; ../shared/ENVIRONMENT.md).
+"""
+from __future__ import annotations
+
+import json
+import subprocess
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from tests.vllm_env import ROOT, engine_env, vllm_python
+
+pytestmark = pytest.mark.slow
+
+PROMPTS = ["What is the capital of France? Answer in one sentence.", "Name three primary colors."]
+NEW_TOKENS = 32
+K = 3                    # draft tokens per step (the fallback the speculators export writes without a measured row)
+RUNNER = ROOT / "benchmarks" / "vllm_generate.py"
+
+
+@pytest.fixture(scope="module")
+def served(tmp_path_factory):
+    """(the two prompts as token ids, the target, the trained run, the exports, the verifier directory)."""
+    from models.decoding import greedy_generate
+    from models.target import load_target
+    from stages import export as ex
+    from stages.common import Paths, TargetParams
+    from stages.train import DrafterParams, TrainParams, online_source, run
+
+    python = vllm_python()          # skip before any training when the engine cannot be had
+    tmp = tmp_path_factory.mktemp("vllm")
+    paths = Paths(root=ROOT)        # the converted-model cache under scratch/models
+    params = TargetParams(source="embedded", dtype="float32")
+    tgt = load_target(params.source, params.dtype, cache_dir=paths.model_cache)
+    prompts = [tgt.chat_ids([{"role": "user", "content": p}], add_generation_prompt=True) for p in PROMPTS]
+    answers = [greedy_generate(tgt, torch.tensor(p), NEW_TOKENS + 8).tokens for p in prompts]
+    convs = [(p + a, [False] * len(p) + [True] * len(a)) for p, a in zip(prompts, answers)] * 4
+    run_dir = tmp / "runs" / "engine" / "eagle3"
+    t0 = time.perf_counter()
+    run(DrafterParams(variant="eagle3", draft_vocab_size=1024),
+        TrainParams(max_steps=40, batch_size=2, lr=3e-3, precision="fp32", log_every=100, checkpoint_every=100,
+                    warmup_ratio=0.1, ttt_steps=K), run_dir, Paths(run_dir.parent), lambda *a, **k: None,
+        target=params, source=online_source(tgt, convs), loaded_target=tgt)
+    train_s = time.perf_counter() - t0
+    verifier = ex.save_verifier(params, paths, tmp / "verifier")
+    exports = {fmt: ex.export(run_dir, fmt, tmp / fmt, verifier, num_speculative_tokens=K) for fmt in ex.FORMATS}
+    print(f"trained in {train_s:.1f} s; verifier {verifier.name_or_path}")
+    return dict(python=python, prompts=prompts, target=tgt, run_dir=run_dir, exports=exports,
+                verifier=Path(verifier.name_or_path), tmp=tmp)
+
+
+def vllm_generate(served, name: str, *args: str) -> dict:
+    tmp = served["tmp"]
+    (tmp / "prompts.json").write_text(json.dumps(served["prompts"]))
+    out = tmp / f"{name}.json"
+    res = subprocess.run([str(served["python"]), str(RUNNER), *args, "--prompts", str(tmp / "prompts.json"),
+                          "--max-tokens", str(NEW_TOKENS), "--dtype", "float32", "--max-model-len", "512", "--enforce-eager",
+                          "--out", str(out)], capture_output=True, text=True, timeout=900, cwd=tmp,
+                         env=engine_env(served["python"]))
+    assert res.returncode == 0, (res.stdout[-2000:], res.stderr[-4000:])
+    return json.loads(out.read_text())
+
+
+def kvshot_chain(served, fmt: str) -> list[list[int]]:
+    """kvshot's own chain decoding of the export (K draft tokens a round): its tokens and accepted lengths."""
+    from models.decoding import DrafterProposer, TreeSpec, speculative_generate
+    from stages import checkpoint as ckpt
+
+    tgt = served["target"]
+    drafter, _ = ckpt.load_drafter(served["exports"][fmt].out, tgt)
+    return [speculative_generate(tgt, torch.tensor(p), NEW_TOKENS, DrafterProposer(drafter, tgt),
+                                 TreeSpec(K - 1, 1, K + 1)) for p in served["prompts"]]
+
+
+def per_position(accept_lengths: list[int]) -> tuple[int, list[int]]:
+    """(rounds, accepted drafts at each position) from kvshot's accepted lengths (accepted drafts + 1 a round)."""
+    return len(accept_lengths), [sum(1 for a in accept_lengths if a - 1 > i) for i in range(K)]
+
+
+def test_vllm_serves_the_export_losslessly_and_its_acceptance_is_kvshots(served):
+    t0 = time.perf_counter()
+    plain = vllm_generate(served, "plain", "--model", str(served["verifier"]))
+    # the speculators format alone: vLLM reads the verifier (a local directory) and K from its config, offline
+    spec = vllm_generate(served, "speculators", "--model", str(served["exports"]["speculators"].out))
+    eagle = vllm_generate(served, "eagle3", "--model", str(served["verifier"]),
+                          "--draft", str(served["exports"]["eagle3"].out), "--num-speculative-tokens", str(K))
+    engine_s = time.perf_counter() - t0
+    assert plain["speculative"] is None and plain["dtype"] == "torch.float32"
+    assert spec["speculative"]["num_speculative_tokens"] == K == eagle["speculative"]["num_speculative_tokens"]
+    assert all(len(t) == NEW_TOKENS for t in plain["tokens"])
+    assert spec["tokens"] == plain["tokens"] and eagle["tokens"] == plain["tokens"]         # lossless
+    # kvshot's plain greedy of the same weights in fp32 gives the same text as the engine
+    from models.decoding import greedy_generate
+    mine = [greedy_generate(served["target"], torch.tensor(p), NEW_TOKENS).tokens for p in served["prompts"]]
+    assert mine == plain["tokens"]
+    lines = []
+    for name, res in (("speculators", spec), ("eagle3", eagle)):
+        c = res["counters"]
+        assert c["drafts"] and c["draft_tokens"] == K * c["drafts"] and c["accepted_per_pos"] is not None
+        assert len(c["accepted_per_pos"]) == K and sum(c["accepted_per_pos"]) == c["accepted_tokens"]
+        vllm_pos = [a / c["drafts"] for a in c["accepted_per_pos"]]
+        vllm_tau = 1 + c["accepted_tokens"] / c["drafts"]
+        ours = kvshot_chain(served, name)
+        assert [r.tokens for r in ours] == plain["tokens"]
+        rounds, pos = per_position([a for r in ours for a in r.accept_lengths])
+        kv_pos = [p / rounds for p in pos]
+        kv_tau = sum(a for r in ours for a in r.accept_lengths) / rounds
+        lines.append(f"{name}: vLLM mean acceptance length {vllm_tau:.3f} over {c['drafts']} drafts, per position "
+                     f"{[round(p, 3) for p in vllm_pos]}; kvshot {kv_tau:.3f} over {rounds} rounds, "
+                     f"{[round(p, 3) for p in kv_pos]}; {res['generated'] / res['seconds']:.1f} tok/s vs plain "
+                     f"{plain['generated'] / plain['seconds']:.1f}")
+        # the drafter drafts the answers it was trained on: loaded right, it is accepted most of the time
+        assert vllm_pos[0] > 0.5, lines[-1]
+        # the same drafter, weights and prompts in fp32: the engine accepts what kvshot's chain accepts (measured:
+        # the same rounds and the same counts per position; the margin allows a near-tie draft or two to flip
+        # between the two implementations' sums)
+        assert abs(c["drafts"] - rounds) <= 2, lines[-1]
+        assert abs(vllm_tau - kv_tau) <= 0.15 and all(abs(a - b) <= 0.11 for a, b in zip(vllm_pos, kv_pos)), \
+            lines[-1]
+    print("\n".join(lines) + f"\nengine runs {engine_s:.0f} s")
