@@ -23,8 +23,8 @@ The block's own keys/values come from the same layer's projections of the block 
 
 Pieces (state-dict names): `embed_tokens` (frozen target embedding, the root's input), `mask_embedding` [d] (the
 masked positions' input), `fc`/`fc_norms`/`hidden_norm` (hidden, both), `layers.i` with `input_layernorm`,
-`self_attn` (q/k/v/o_proj, `context_k_proj`/`context_v_proj` for hidden/both, `inject` for kv/both), `post_attention_layernorm`, `mlp`; `norm`, `lm_head`, `d2t`, `t2d`
-as every drafter (`models.drafter.DraftModel`).
+`self_attn` (q/k/v/o_proj, `context_k_proj`/`context_v_proj` for hidden/both, `inject` for kv/both),
+`post_attention_layernorm`, `mlp`; `norm`, `lm_head`, `d2t`, `t2d` as every drafter (`models.drafter.DraftModel`).
 
 Training (`block_unroll`) runs many anchors per sequence in one pass and never builds an (anchors*B)^2 mask or
 score matrix: the queries form T rows of B (row t = anchor t's block, [batch, H, T, B, hd]); for block offset j
