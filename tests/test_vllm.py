@@ -48,7 +48,7 @@ def served(tmp_path_factory):
     run_dir = tmp / "runs" / "engine" / "eagle3"
     t0 = time.perf_counter()
     run(DrafterParams(variant="eagle3", draft_vocab_size=1024),
-        TrainParams(max_steps=40, batch_size=2, lr=3e-3, precision="fp32", log_every=100, checkpoint_every=100,
+        TrainParams(max_steps=24, batch_size=2, lr=3e-3, precision="fp32", log_every=100, checkpoint_every=100,
                     warmup_ratio=0.1, ttt_steps=K), run_dir, Paths(run_dir.parent), lambda *a, **k: None,
         target=params, source=online_source(tgt, convs), loaded_target=tgt)
     train_s = time.perf_counter() - t0
