@@ -71,10 +71,17 @@ def _steps_per_epoch(cfg: Config, rows: list[dict]) -> dict[str, float]:
     return per
 
 
+def _with_target(want: dict) -> tuple:
+    """A no-target control's setting read as the drafter of its shape that reads the target: a control without rows
+    of its own is paced like it (same layers and attention widths; it attends to its own keys, not the target's)."""
+    return tuple(False if k in ("no_target", "token_context") else want[k] for k in SETTING)
+
+
 def estimated_seconds(trials: list[Trial], rows: list[dict], cfg: Config) -> dict[str, float]:
     """A trial without a row of its own, estimated from paces: its optimizer steps (its epochs at its scale's steps
     per epoch, `_steps_per_epoch`) times the seconds per step (`wall_s` / `train_steps`, evaluation included) of
-    the rows of its drafter setting at any scale, seed or schedule. Trials with no such row are left out."""
+    the rows of its drafter setting at any scale, seed or schedule (a no-target control without rows: those of the
+    drafter of its shape that reads the target, `_with_target`). Trials with no such row are left out."""
     import math
 
     per_epoch = _steps_per_epoch(cfg, rows)
@@ -85,7 +92,7 @@ def estimated_seconds(trials: list[Trial], rows: list[dict], cfg: Config) -> dic
     out = {}
     for t in trials:
         tp, want = t.config.train, setting_of(t)
-        s_per_step = pace.get(tuple(want[k] for k in SETTING))
+        s_per_step = pace.get(tuple(want[k] for k in SETTING)) or pace.get(_with_target(want))
         steps = tp.max_steps or (math.ceil(tp.epochs * per_epoch[tp.scale]) if tp.scale in per_epoch else None)
         if s_per_step and steps:
             out[t.name] = steps * sum(s_per_step) / len(s_per_step)

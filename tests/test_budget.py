@@ -60,4 +60,16 @@ def test_trials_not_run_yet_are_estimated_from_the_paces_of_their_setting(tmp_pa
     assert large["estimated_s"] == 960.0 + 1280 * 2.0
     # another seed of measured settings: every trial estimated, at the same paces
     assert got["scale/small-seed1"]["estimated_s"] == 960.0 + 1920.0
-    assert "estimated_s" not in got["depth/seed0"]            # no row of any of its settings: no estimate
+    assert "estimated_s" not in got["depth/seed0-deep"]       # no row of any of its settings: no estimate
+
+
+def test_a_control_without_rows_is_paced_like_the_drafter_of_its_shape_that_reads_the_target(tmp_path):
+    """The control with context at depth 4 before it ran: estimated at the 4-layer KV-only drafter's seconds per
+    step (same layers and attention widths); without that drafter's rows it stays unestimated."""
+    cfg = load_config("study")
+    (tmp_path / "depth.json").write_text(json.dumps([row("kv_only", depth=4, wall=3000.0, train_steps=960)]))
+    deep = replayed_parts(cfg, tmp_path)["depth/seed0-deep"]
+    assert deep["missing"] == ["kv_only-d4-no_target-token_context"] == deep["estimated"]
+    assert deep["estimated_s"] == 3000.0                    # two slots: the control beside its drafter
+    (tmp_path / "depth.json").write_text(json.dumps([row("kv_only", depth=2, wall=3000.0, train_steps=960)]))
+    assert "estimated_s" not in replayed_parts(cfg, tmp_path)["depth/seed0-deep"]

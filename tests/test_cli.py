@@ -60,12 +60,12 @@ def test_sweep_dry_run_lists_a_studys_parts_and_runs_one():
     (("sweep", "--study", "depth", "--only", "depth=3", "--dry-run"), "--only drafter.depth=3: no trial of the plan"),
     (("prepare", "--profile", "nope"), "unknown profile 'nope'"),
     (("sweep", "--study", "depth", "--part", "nope", "--dry-run", "--profile", "study"),
-     "--part nope: not a part of study depth (its parts: seed0, seeds12, seeds34)"),
+     "--part nope: not a part of study depth (its parts: seed0-shallow, seed0-deep, seed1, seed2, seed3, seed4)"),
     (("sweep", "--study", "depth", "--part", "seed0", "--only", "depth=4", "--dry-run", "--profile", "study"),
      "give one (a part is a named --only)"),
     (("e2e", "--part", "seed0", "--profile", "study"), "--part seed0: needs --study"),
     (("repro", "--profile", "study", "--part", "depth"), "--part 'depth': expected STUDY/PART"),
-    (("repro", "--profile", "study", "--part", "depth/seed0", "--stage", "features"), "without --stage or --force"),
+    (("repro", "--profile", "study", "--part", "depth/seed0-deep", "--stage", "features"), "without --stage or --force"),
     (("train", "variant=medusa"), "drafter.variant"),
 ])
 def test_bad_input_is_one_line_and_exit_2(args, needle):
