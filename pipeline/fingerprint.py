@@ -4,7 +4,7 @@ fingerprint = sha256 over
   * the resolved config sections that affect a trial (target, data, regenerate, features, drafter, train, eval),
   * the content hashes of its input data (the regenerated conversations, the feature cache of its scale, a custom
     eval set),
-  * the hash of the code that determines its numbers (`stages.code_hash.CODE_FILES`: models/ and the stages a trial
+  * the hash of the code that determines its numbers (`stages.code_hash.TRIAL_CODE`: models/ and the stages a trial
     runs), so a trial trained before a code change is stale after it: retrained, never adopted (DESIGN §8), and
   * the fingerprint of the trial it is initialised from (hybrid/cross_only with init=ckpt), if any.
 

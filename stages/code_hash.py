@@ -1,13 +1,15 @@
-"""The code that determines a trial's numbers, and its content hash.
+"""The code that determines a trial's numbers and a decoding's, and their content hashes.
 
-A trial's fingerprint (pipeline.fingerprint) includes `code_hash()`, so a trial trained before a change of this code
-is stale after it (retrained, never adopted), and every metrics row the evaluate and e2e stages write carries it
-as `code`, so rows computed by different code can be told apart. The study stages of dvc.yaml list the same files
-among their deps (tests/test_repro.py checks that they agree).
+A trial's fingerprint (pipeline.fingerprint) includes `code_hash()`, so a trial trained before a change of its code
+is stale after it (retrained, never adopted), and every metrics row the study stages write carries it as `code`, so
+rows computed by different code can be told apart. The study stages of dvc.yaml list the same files among their
+deps (tests/test_repro.py checks that they agree).
 
-CODE_FILES is that file set, in one place: the source of models/ and of the stages a trial runs (train; evaluate;
-e2e, which decodes a trial's drafter; features, which computes the target information online in training and
-offline for the cache) with the helpers they import. Left out on purpose:
+TRIAL_CODE is that file set, in one place: the source of models/ and of the stages a trial runs (train; evaluate;
+features, which computes the target information online in training and offline for the cache) with the helpers
+they import. DECODE_CODE adds the e2e stage, which decodes trained drafters: its rows carry
+`code_hash(DECODE_CODE)`, and a change of the decoding loop reruns the decoding, not the training. Left out on
+purpose:
   * the data stages' own modules (prepare, sources): their outputs are hashed as data, content by content;
   * the report's modules (report, results, findings): they read metrics and change no trial's numbers (evaluate
     imports `findings.fmt` only to print a number);
@@ -23,7 +25,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 
-CODE_FILES: tuple[str, ...] = (
+TRIAL_CODE: tuple[str, ...] = (
     "models/**/*.py",            # every module and tensor algorithm: drafters, TTT unroll, metrics, decoding
     "stages/common.py",          # target loading, paths, shared helpers
     "stages/features.py",        # target features, offline (the cache) and online (inside training)
@@ -33,11 +35,11 @@ CODE_FILES: tuple[str, ...] = (
     "stages/checkpoint.py",      # how a trained drafter is saved and rebuilt
     "stages/export.py",          # checkpoint reads exported drafters through it
     "stages/evaluate.py",
-    "stages/e2e.py",
 )
+DECODE_CODE: tuple[str, ...] = (*TRIAL_CODE, "stages/e2e.py")
 
 
-def code_files(root: Path = ROOT, patterns: tuple[str, ...] = CODE_FILES) -> list[Path]:
+def code_files(root: Path = ROOT, patterns: tuple[str, ...] = TRIAL_CODE) -> list[Path]:
     """The files of `patterns` under `root`, sorted and without duplicates (compiled caches excluded)."""
     root = Path(root)
     found = {p for pattern in patterns for p in root.glob(pattern) if p.is_file() and "__pycache__" not in p.parts}
@@ -53,11 +55,12 @@ def hash_files(root: Path, files: list[Path]) -> str:
 
 
 @functools.lru_cache(maxsize=8)
-def _cached(root: str) -> str:
-    return hash_files(Path(root), code_files(Path(root)))
+def _cached(root: str, patterns: tuple[str, ...]) -> str:
+    return hash_files(Path(root), code_files(Path(root), patterns))
 
 
-def code_hash(root: Path | None = None) -> str:
-    """The content hash of CODE_FILES under `root` (the project by default), computed once per process: a trial's
-    code does not change while a sweep runs, and a new process sees a new code state."""
-    return _cached(str(Path(root or ROOT).resolve()))
+def code_hash(root: Path | None = None, patterns: tuple[str, ...] = TRIAL_CODE) -> str:
+    """The content hash of `patterns` (a trial's code, TRIAL_CODE, by default) under `root` (the project by
+    default), computed once per process: a trial's code does not change while a sweep runs, and a new process sees
+    a new code state."""
+    return _cached(str(Path(root or ROOT).resolve()), tuple(patterns))

@@ -1,8 +1,8 @@
 """e2e: lossless tree speculative decoding with trained drafters: tau, tokens/s, speedup -> metrics/e2e.json.
 
-For each trained drafter: the fastest of `tree_candidates` (picked on the first prompts; a single candidate is taken
-without tuning) and the paper's tree are
-decoded over every prompt; plain greedy `generate` on the same prompts, in the same run, is the speedup reference.
+For each trained drafter: the fastest of `tree_candidates` (picked on TUNE_PROMPTS prompts set apart from the
+measured ones; a single candidate is taken without tuning) and the paper's tree are decoded over every measured
+prompt; plain greedy `generate` on the same prompts, in the same run, is the speedup reference.
 Methods take turns on each prompt (not one method over all prompts, then the next), so the ratios survive a drift
 of the machine's speed.
 With `lookup_tokens > 0` each drafter is also decoded with a prompt-lookup branch grafted onto its tree (row kind
@@ -18,7 +18,7 @@ from typing import Any, Literal
 
 from pydantic import Field
 
-from stages.code_hash import code_hash
+from stages.code_hash import DECODE_CODE, code_hash
 from stages.common import Paths, Report, Section, StageError, TargetParams, load_target_for, read_jsonl, \
     write_json_atomic
 
@@ -58,19 +58,31 @@ def first_user_turns(rows: list[dict], where: str) -> list[str]:
 
 
 def load_prompts(params: E2EParams, paths: Paths) -> list[str]:
-    """`e2e.prompts`, else the held-out split of the regenerated (or prepared) conversations."""
+    """`e2e.prompts`, else the held-out split of the regenerated (or prepared) conversations: up to
+    num_prompts + TUNE_PROMPTS of them (`split_prompts` sets the tuning ones apart)."""
+    want = params.num_prompts + TUNE_PROMPTS
     if params.prompts:
         texts = first_user_turns(read_jsonl(Path(params.prompts)), f"e2e.prompts={params.prompts}")
         if not texts:
             raise StageError(f"e2e.prompts={params.prompts}: no conversation has a user message")
-        return texts[: params.num_prompts]
+        return texts[:want]
     for folder in (paths.root / "data" / "regenerated", paths.root / "data" / "prepared"):
         rows = [r for f in sorted(folder.glob("*.jsonl")) for r in read_jsonl(f) if r.get("split") == EVAL_SPLIT]
         texts = first_user_turns(rows, str(folder))
         if texts:
-            return texts[: params.num_prompts]
+            return texts[:want]
     raise StageError("e2e: no prompts (no held-out rows in data/regenerated or data/prepared; run prepare and "
                      "regenerate, or set e2e.prompts=PATH)")
+
+
+def split_prompts(texts: list, num_prompts: int) -> tuple[list, list, bool]:
+    """(the prompts trees are tuned on, the measured prompts, whether those two are apart). A tree chosen by speed on
+    the prompts it is then measured on would flatter it, so the first TUNE_PROMPTS are set apart when there are
+    enough for num_prompts beside them; else (a short prompt file) trees are tuned on the first measured ones, and
+    the rows say so."""
+    if len(texts) >= num_prompts + TUNE_PROMPTS:
+        return texts[:TUNE_PROMPTS], texts[TUNE_PROMPTS:TUNE_PROMPTS + num_prompts], True
+    return texts[:min(TUNE_PROMPTS, len(texts))], texts[:num_prompts], False
 
 
 def _tally(results: list, refs: list, tol: float, exact_required: bool) -> dict[str, Any]:
@@ -120,7 +132,7 @@ def run(params: E2EParams, run_dirs, paths: Paths, report: Report, *, target: Ta
         loaded_target: Any = None, **_: Any) -> list[dict]:
     """Decode with every drafter in `run_dirs`; writes metrics/e2e.json and returns its rows.
 
-    Trees are tuned first (on the first prompts); then every method decodes prompt by prompt, one method after
+    Trees are tuned first (on prompts of their own, `split_prompts`); then every method decodes prompt by prompt, one method after
     another on the same prompt, so that a drift of the machine's speed during the run reaches every row alike.
     """
     import torch
@@ -139,8 +151,9 @@ def run(params: E2EParams, run_dirs, paths: Paths, report: Report, *, target: Ta
     block_candidates = [TreeSpec.of(t) for t in params.block_tree_candidates]
     tgt = loaded_target or load_target_for(target.model_copy(update={"dtype": params.dtype}), paths)
     eos = tgt.tokenizer.eos_token_id if tgt.tokenizer is not None else None
-    prompts = [torch.tensor(tgt.chat_ids([{"role": "user", "content": t}], add_generation_prompt=True))
-               for t in load_prompts(params, paths)]
+    tune_texts, texts, apart = split_prompts(load_prompts(params, paths), params.num_prompts)
+    tune_prompts, prompts = ([torch.tensor(tgt.chat_ids([{"role": "user", "content": t}], add_generation_prompt=True))
+                              for t in group] for group in (tune_texts, texts))
     n_new, exact_required, tol = params.max_new_tokens, params.dtype == "float32", params.tie_tolerance
     lookups = [0] + ([params.lookup_tokens] if params.lookup_tokens else [])
 
@@ -163,7 +176,7 @@ def run(params: E2EParams, run_dirs, paths: Paths, report: Report, *, target: Ta
     greedy_generate(tgt, prompts[0], 4, eos_token_id=eos)              # warm-up
 
     plan: list[tuple[str, dict, str, TreeSpec, int]] = []               # (method, setting, tree kind, tree, lookup)
-    k = min(TUNE_PROMPTS, len(prompts))
+    k = len(tune_prompts)
     with StageProgress() as bar:
         # a drafter with one candidate tree has nothing to choose between: it is not decoded to be tuned
         tunes = sum(n for n in (len(block_candidates) if ckpt.variant_of(r) == "block" else len(candidates)
@@ -183,7 +196,7 @@ def run(params: E2EParams, run_dirs, paths: Paths, report: Report, *, target: Ta
                 else:
                     speed = []
                     for spec in own:
-                        out = [drafted(drafter, spec, lookup)(p) for p in prompts[:k]]
+                        out = [drafted(drafter, spec, lookup)(p) for p in tune_prompts]
                         speed.append(sum(len(r.tokens) for r in out) / sum(r.seconds for r in out))
                         bar.advance(tune, k)
                     best = own[max(range(len(own)), key=speed.__getitem__)]
@@ -217,7 +230,9 @@ def run(params: E2EParams, run_dirs, paths: Paths, report: Report, *, target: Ta
     for name, setting, kind, spec, lookup in plan:
         row = {**setting, "tree": spec.as_list(), "tree_kind": kind, "lookup_tokens": lookup, **tally[name],
                **baselines, "status": "ok", "dtype": params.dtype, "drafter_weights": params.drafter_weights,
-               "num_prompts": len(prompts), "max_new_tokens": n_new, "tie_tolerance": tol, "code": code_hash()}
+               "num_prompts": len(prompts), "tuned_on": "held-out prompts" if apart else "measured prompts",
+               "max_new_tokens": n_new, "tie_tolerance": tol,
+               "code": code_hash(patterns=DECODE_CODE)}
         rows.append(row)
         report({f"{row['trial']}/{kind}/{key}": float(row[key]) for key in   # one MLflow series per drafter
                 ("tau", "tokens_per_s", "speedup", "draft_time_share", "exact_match", "lossless")})

@@ -26,7 +26,8 @@ def run_dir(tmp_path, embedded_target):
 def test_e2e_stage_writes_rows(tmp_path, run_dir, embedded_target, weights):
     prompts = tmp_path / "prompts.jsonl"
     write_text_atomic(prompts, "\n".join(json.dumps({"id": str(i), "source": "t", "messages": [
-        {"role": "user", "content": c}]}) for i, c in enumerate(["Say hello.", "Name a colour."])) + "\n")
+        {"role": "user", "content": c}]}) for i, c in enumerate(["Count to three.", "Say yes.", "Say hello.",
+                                                                   "Name a colour."])) + "\n")
     params = E2EParams(prompts=str(prompts), num_prompts=2, max_new_tokens=8, paper_tree=[3, 3, 8],
                        tree_candidates=[[2, 1, 3], [2, 2, 5]], prompt_lookup=True, lookup_tokens=4,
                        drafter_weights=weights)
@@ -44,8 +45,22 @@ def test_e2e_stage_writes_rows(tmp_path, run_dir, embedded_target, weights):
         assert r["prompt_lookup_tau"] >= 1.0 and r["lookup_loop_tau"] >= 1.0 and r["lookup_loop_lossless"] is True
         assert r["lookup_tokens"] == (4 if r["tree_kind"] == "tuned_lookup" else 0)
         assert r["run_dir"] == "runs/scale/hybrid-small"   # relative to the workspace: metrics travel
+        # trees tuned on the first two prompts, the other two measured
+        assert r["num_prompts"] == 2 and r["tuned_on"] == "held-out prompts"
+        assert len(r["per_prompt"]["tokens"]) == 2
     assert rows[2]["tree"] == [3, 3, 8] and {tuple(r["tree"]) for r in rows[:2]} <= {(2, 1, 3), (2, 2, 5)}
     assert any("hybrid-small/paper/tau" in m for m in seen) and any("spec_off_tokens_per_s" in m for m in seen)
+
+
+def test_trees_are_tuned_on_prompts_that_are_not_measured():
+    from stages.e2e import TUNE_PROMPTS, split_prompts
+
+    texts = [f"p{i}" for i in range(TUNE_PROMPTS + 3)]
+    tune, measured, apart = split_prompts(texts, 3)
+    assert apart and tune == texts[:TUNE_PROMPTS] and measured == texts[TUNE_PROMPTS:] and not set(tune) & set(measured)
+    # a prompt file too short to set any apart: tuned on the first measured ones, and the rows say so
+    tune, measured, apart = split_prompts(texts[:3], 3)
+    assert not apart and measured == texts[:3] and tune == texts[:TUNE_PROMPTS]
 
 
 def test_e2e_stage_names_a_bad_input(tmp_path, run_dir, embedded_target):

@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from stages.code_hash import CODE_FILES, code_files, code_hash
+from stages.code_hash import DECODE_CODE, TRIAL_CODE, code_files, code_hash
 
 ROOT = Path(__file__).resolve().parent.parent
 BIN = Path(sys.executable).parent
@@ -63,7 +63,7 @@ def test_repro_builds_every_artifact(smoke):
     e2e = json.loads((ws / "metrics" / "e2e.json").read_text())
     drafter_rows = [r for r in e2e if r.get("variant") in ("eagle3", "hybrid")]
     assert drafter_rows and all(r["lossless"] for r in drafter_rows)
-    assert all(r["code"] == code_hash() for r in e2e)
+    assert all(r["code"] == code_hash(patterns=DECODE_CODE) for r in e2e)     # a decoding's code: the trial's and e2e
     assert (ws / "models").is_symlink() and (ws / "stages").is_symlink()   # the code dvc.yaml lists, linked in
     assert all(r["speedup"] > 0 and 0 <= r["exact_match"] <= 1 for r in drafter_rows)
     decoded = "+".join(sorted({r["study"] for r in e2e if r.get("study")}))   # the decoding is timed per study
@@ -185,7 +185,7 @@ STAGE_ENTRIES = {"prepare": ["stages.prepare"], "regenerate": ["stages.regenerat
 NOT_CODE = {"models/__init__.py", "stages/__init__.py"}
 PRINT_ONLY = {"stages/findings.py", "stages/results.py"}
 # In the stages' own closure but not in a trial's code hash: the params sections (their resolved values are the
-# trial's hashed config) and the hash itself (a change of CODE_FILES or of how it hashes changes the hash anyway).
+# trial's hashed config) and the hash itself (a change of TRIAL_CODE or of how it hashes changes the hash anyway).
 NOT_HASHED = {"stages/sections.py", "stages/code_hash.py"}
 
 
@@ -245,21 +245,27 @@ def test_every_dvc_stage_lists_the_code_it_runs():
     for stage, entries in STAGE_ENTRIES.items():
         needed = imported_code(ROOT, entries) - NOT_CODE - (PRINT_ONLY if stage == "study" else set())
         assert needed - deps[stage] == set(), f"dvc.yaml stage {stage}: deps lack {sorted(needed - deps[stage])}"
-    # the study stages see every file of a trial's code hash: what retrains a trial reruns its stage
+    # the study stages see every file of a trial's code hash (what retrains a trial reruns its stage), the e2e stage
+    # every file of a decoding's
     hashed = {p.relative_to(ROOT).as_posix() for p in code_files()}
     assert hashed - deps["study"] == set()
     assert {"models/ttt.py", "stages/train.py", "stages/evaluate.py"} <= hashed and "stages/report.py" not in hashed
+    decoded = {p.relative_to(ROOT).as_posix() for p in code_files(patterns=DECODE_CODE)}
+    assert decoded - deps["e2e"] == set() and decoded - hashed == {"stages/e2e.py"}
 
 
 def test_the_code_hash_holds_the_code_a_trial_runs():
-    """CODE_FILES covers every module train, evaluate, e2e and features import (but the documented exceptions),
-    and each of its literal entries exists."""
-    for pattern in CODE_FILES:
-        assert any(ROOT.glob(pattern)), f"CODE_FILES entry {pattern} matches nothing"
+    """TRIAL_CODE covers every module train, evaluate and features import, DECODE_CODE every module e2e imports too
+    (but the documented exceptions), and each of their literal entries exists."""
+    for pattern in DECODE_CODE:
+        assert any(ROOT.glob(pattern)), f"code hash entry {pattern} matches nothing"
     hashed = {p.relative_to(ROOT).as_posix() for p in code_files()}
-    runs = imported_code(ROOT, ["stages.train", "stages.evaluate", "stages.e2e", "stages.features"])
+    runs = imported_code(ROOT, ["stages.train", "stages.evaluate", "stages.features"])
     assert runs - hashed - NOT_CODE - PRINT_ONLY - NOT_HASHED == set()
-    assert "stages/prepare.py" not in hashed and "stages/report.py" not in hashed
+    assert "stages/prepare.py" not in hashed and "stages/report.py" not in hashed and "stages/e2e.py" not in hashed
+    decodes = imported_code(ROOT, ["stages.e2e"])
+    assert decodes - {p.relative_to(ROOT).as_posix() for p in code_files(patterns=DECODE_CODE)} - NOT_CODE \
+        - NOT_HASHED == set()
 
 
 def _copy_code(dst: Path) -> Path:
