@@ -8,7 +8,10 @@ import json
 from pathlib import Path
 
 from pipeline.config import Config
-from pipeline.sweep import Trial, check_parts, decodes_any, plan, replay
+from pipeline.parts import check_parts, decodes_any
+from pipeline.plan import plan
+from pipeline.sweep import replay
+from pipeline.trial import Trial
 from stages.train import DrafterParams
 
 # the row fields that tell one drafter setting from another (a row written before a field existed lacks it)

@@ -348,17 +348,19 @@ def sweep(overrides: Optional[list[str]] = OverridesArg, profile: Optional[str] 
     """Run a grid (KEY=V1,V2 ...) or a study on Ray Tune: train then evaluate every trial."""
     def body():
         from pipeline import sweep as runner
+        from pipeline.parts import check_parts, plan_part
+        from pipeline.plan import plan
         from stages.common import Paths
 
         rootp = root.resolve()
         _STATE["root"] = rootp
         cfg = load_config(profile, [], root=rootp)
         axes = parse_overrides(overrides or [])
-        trials = runner.plan(cfg, axes, study)
-        parts = {} if axes else runner.check_parts(trials, cfg, study)
+        trials = plan(cfg, axes, study)
+        parts = {} if axes else check_parts(trials, cfg, study)
         wanted.update(_part_or_only(cfg, study, part, only))
         if wanted:
-            trials = runner.plan_part(trials, wanted)
+            trials = plan_part(trials, wanted)
         cache = os.environ.get("KVSHOT_MODEL_CACHE")
         paths = Paths(root=rootp, cache=Path(cache) if cache else None)
         if dry_run:
@@ -388,25 +390,26 @@ def _part_or_only(cfg: Config, study: Optional[str], part: Optional[str], only: 
     if part and only:
         raise ConfigError(f"--part {part} and --only {' --only '.join(only)}: give one (a part is a named --only)")
     if part:
-        from pipeline.sweep import part_filter
+        from pipeline.parts import part_filter
         return part_filter(cfg, study, part)
     return parse_overrides(only or [])
 
 
 def _repro_part(cfg: Config, profile: str, spec: str) -> int:
     """`kvshot repro --part STUDY/PART`: check the part against the study's plan, then run it in the workspace."""
-    from pipeline import sweep as runner
     from pipeline.dvc_workspace import repro_part
+    from pipeline.parts import check_parts, decodes_any, part_filter, plan_part
+    from pipeline.plan import plan
 
     study, _, part = spec.partition("/")
     if study not in cfg.studies or not part:
         raise ConfigError(f"--part {spec!r}: expected STUDY/PART with a study of this profile "
                           f"({', '.join(sorted(cfg.studies)) or 'none'})")
-    trials = runner.plan(cfg, {}, study)
-    runner.check_parts(trials, cfg, study)
-    mine = runner.plan_part(trials, runner.part_filter(cfg, study, part))
+    trials = plan(cfg, {}, study)
+    check_parts(trials, cfg, study)
+    mine = plan_part(trials, part_filter(cfg, study, part))
     check_hardware(cfg)
-    return repro_part(cfg, profile, study, part, runner.decodes_any(cfg, study, mine),
+    return repro_part(cfg, profile, study, part, decodes_any(cfg, study, mine),
                       echo=lambda line: console.print(line, highlight=False))
 
 

@@ -5,16 +5,17 @@
     show_plan(trials)                                            # --dry-run
     result = run_sweep(trials, Paths(root))                      # result.exit_code for the CLI
 
-Planning is pure (no Ray, no files). Running: every trial gets a fingerprint (pipeline.fingerprint); a trial
-whose runs/<study>/<trial>/ holds the same fingerprint and a result.json is skipped and its row reused, so a
-re-run does nothing, a grid grown by a value runs only the new trials, and a killed sweep resumes. The rest run
-in one Ray Tune experiment, at most `ray.max_concurrent` at a time with `ray.cpus_per_trial` /
-`ray.gpus_per_trial` each: a hybrid/cross_only child (or a continued eagle3) starts as soon as the eagle3 whose
-checkpoint it loads has finished, not after every parent of the study, and of the trials that may start the one
-with the most estimated training ahead of it (its own and its children's) starts first, so the last trials of a
-study are short ones rather than one long trial running alone (`schedule_order`). Trials report metrics to
-the driver through Tune results and only the driver writes MLflow. A failing trial fails alone: it is marked
-failed in MLflow and in metrics/stepwise/<study>.json, the others finish, and the result's exit code is 1.
+Planning is pure (`pipeline.plan`; a study's parts: `pipeline.parts`; no Ray, no files). Running: every trial
+gets a fingerprint (pipeline.fingerprint); a trial whose runs/<study>/<trial>/ holds the same fingerprint and a
+result.json is skipped and its row reused, so a re-run does nothing, a grid grown by a value runs only the new
+trials, and a killed sweep resumes. The rest run in one Ray Tune experiment, at most `ray.max_concurrent` at a
+time with `ray.cpus_per_trial` / `ray.gpus_per_trial` each: a hybrid/cross_only child (or a continued eagle3)
+starts as soon as the eagle3 whose checkpoint it loads has finished, not after every parent of the study, and of
+the trials that may start the one with the most estimated training ahead of it (its own and its children's)
+starts first, so the last trials of a study are short ones rather than one long trial running alone
+(`schedule_order`). Trials report metrics to the driver through Tune results and only the driver writes MLflow.
+A failing trial fails alone: it is marked failed in MLflow and in metrics/stepwise/<study>.json, the others
+finish, and the result's exit code is 1.
 
 Ray: RAY_ADDRESS (or ray.address) joins an existing cluster, else a local Ray starts in-process with
 ray.num_cpus CPUs, temp files under scratch/ray, token auth disabled and usage stats off. Workers import the
@@ -26,331 +27,26 @@ the project root, which must be storage shared by all nodes (the paper profile's
 from __future__ import annotations
 
 import hashlib
-import itertools
 import json
 import logging
 import os
-import re
 import tempfile
 import time
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable, Iterator
+from typing import Any, Iterator
 
 from rich.console import Console
 from rich.table import Table
 
-from pipeline.config import Config, ConfigError, resolve_key, with_values
+from pipeline.config import Config, ConfigError, with_values
 from pipeline.cpu_share import CpuShare
 from pipeline.fingerprint import HashCache, data_hashes, fingerprint
-from pipeline.trial import (CKPT_CHILDREN, CONTINUED, Trial, TrialFn, adopt_finished, base_row, cached_result,
-                            evaluate_runs, execute, failed_row, finished_elsewhere, is_continued, json_safe,
-                            needs_parent, prepare_run_dir, run_trial, train_trial)
+from pipeline.plan import ADHOC, PARENT, VARIANT, lookup, trial_name, varying_keys, waves
+from pipeline.trial import (Trial, TrialFn, adopt_finished, cached_result, evaluate_runs, execute, failed_row,
+                            finished_elsewhere, json_safe, needs_parent, prepare_run_dir, run_trial, train_trial)
 from stages.common import Paths, Report, duration, filter_text, write_json_atomic
-
-ADHOC = "adhoc"
-VARIANT = "drafter.variant"
-INIT = "drafter.init"
-SEED = "train.seed"
-PARENT = "train.parent"
-# Drafter settings an eagle3 drafter does not use: a ckpt child's parent ignores them.
-_EAGLE3_IGNORES = ("drafter.variant", "drafter.injection", "drafter.rope_fix", "drafter.init", "drafter.no_target",
-                   "drafter.token_context", "drafter.block_size", "drafter.context")
-
-
-# -- planning ----------------------------------------------------------------------------------------------------
-
-def _token(key: str, value: Any) -> str:
-    """A short readable name part for one varying value."""
-    short = key.rsplit(".", 1)[-1]
-    if short == "depth":
-        text = f"d{value}"
-    elif short == "rope_fix":
-        text = "ropefix" if value else "norope"
-    elif short in ("injection", "init", "scale", "variant"):
-        text = str(value)
-    elif short == "seed":
-        text = f"s{value}"
-    elif short == "no_target":
-        text = "no_target" if value else "target"
-    elif short == "token_context":
-        text = "token_context" if value else "no_token_context"
-    elif short == "context":
-        text = str(value)
-    elif short == "block_size":
-        text = f"B{value}"
-    elif short == "parent" and isinstance(value, dict):
-        text = "from_" + "_".join(_token(f"train.{k}", v) for k, v in value.items()) if value else "from_own"
-    elif short in ("fc_norm", "norm_output") and isinstance(value, bool):
-        text = short if value else f"no_{short}"
-    elif isinstance(value, bool):
-        text = short if value else f"no_{short}"
-    else:
-        text = f"{short}{value}"
-    return re.sub(r"[^A-Za-z0-9_.=+-]+", "_", text).strip("_") or "x"
-
-
-def trial_name(variant: str, values: dict[str, Any], naming_keys: list[str]) -> str:
-    """`<variant>-<token>-...` from the values of `naming_keys` (those that vary across the plan), in order."""
-    keys = [k for k in naming_keys if k in values and k != VARIANT]
-    if variant == "eagle3" and values.get("drafter.fc_norm") is True and values.get("drafter.norm_output") is True:
-        variant = "eagle3.1"            # both EAGLE-3.1 normalisations: the drafter has a name of its own
-        keys = [k for k in keys if k not in ("drafter.fc_norm", "drafter.norm_output")]
-    return "-".join([variant] + [_token(k, values[k]) for k in keys])
-
-
-def _resolve_axes(axes: dict[str, list[Any]]) -> dict[str, list[Any]]:
-    out = {}
-    for key, values in axes.items():
-        values = list(values) if isinstance(values, (list, tuple)) else [values]
-        if not values:
-            raise ConfigError(f"grid axis {key!r} has no values")
-        out[resolve_key(key)] = values
-    return out
-
-
-def _product(axes: dict[str, list[Any]]) -> list[dict[str, Any]]:
-    keys = list(axes)
-    return [dict(zip(keys, combo)) for combo in itertools.product(*(axes[k] for k in keys))]
-
-
-def _eagle3_key(cfg: Config) -> str:
-    """An eagle3 drafter trained for `cfg`: everything but the drafter settings it ignores (a ckpt child, its
-    continued control and their eagle3 share it when `train.parent` is empty)."""
-    tree = cfg.model_dump()
-    for k in _EAGLE3_IGNORES:
-        tree["drafter"].pop(k.split(".", 1)[1], None)
-    keep = ("target", "data", "regenerate", "features", "drafter", "train", "eval")
-    return json.dumps({k: tree[k] for k in keep}, sort_keys=True, default=str)
-
-
-def parent_config(cfg: Config, origin: str = "eagle3 parent") -> Config:
-    """The eagle3 a ckpt child (or a continued eagle3) starts from: its own config as a plain eagle3, with the train
-    settings of `train.parent` in place of its own."""
-    values: dict[str, Any] = {VARIANT: "eagle3"}
-    if is_continued(cfg):
-        values[INIT] = "ckpt"           # a plain eagle3 (init is not read by eagle3 training)
-    if cfg.train.parent:
-        values.update({f"train.{k}": v for k, v in cfg.train.parent.items()})
-        values[PARENT] = {}
-    return with_values(cfg, values, origin=origin)
-
-
-def _parent_key(cfg: Config) -> str:
-    """The key (`_eagle3_key`) of the eagle3 that `cfg` starts from."""
-    return _eagle3_key(parent_config(cfg)) if cfg.train.parent else _eagle3_key(cfg)
-
-
-def _config_key(cfg: Config) -> str:
-    return json.dumps(cfg.model_dump(), sort_keys=True, default=str)
-
-
-def plan(cfg: Config, axes: dict[str, list[Any]] | None = None, study: str | None = None) -> list[Trial]:
-    """The trials of a sweep, parents first.
-
-    - `study` names a study of the profile (`cfg.studies`): its grid, each `include` entry as a single trial, and
-      its `seeds` (an axis over train.seed when given). `axes` on top add or replace grid axes; an axis with one
-      value applies to every trial.
-    - Otherwise the sweep is ad hoc: the grid is `axes` over `cfg` (variant defaults to the profile's), in a study
-      named `study` or "adhoc".
-    - hybrid/cross_only with init=ckpt depend on the eagle3 trial of the same data, training settings and seed;
-      that trial is added when the plan lacks it. So is, once per parent, the compute-matched control such a
-      child is compared with (DESIGN §4): an eagle3 with init=continued, the parent continued for the child's
-      schedule. Its config is the parent's with init=continued, the same in every study, so its fingerprint is
-      shared and it trains once. With `train.parent` (children of an eagle3 trained on other settings, say the
-      small data scale's) the control is the child's own schedule as a continued eagle3, once per schedule.
-    Names are `<variant>-<values that vary>`, unique and stable for the same plan.
-    """
-    axes = _resolve_axes(axes or {})
-    fixed = {k: v[0] for k, v in axes.items() if len(v) == 1}
-    outer = {k: v for k, v in axes.items() if len(v) > 1}
-    base = with_values(cfg, fixed, origin="override") if fixed else cfg
-
-    grid: dict[str, list[Any]] = {}
-    includes: list[dict[str, Any]] = []
-    if study is not None and study in cfg.studies:
-        spec = cfg.studies[study]
-        grid = _resolve_axes(spec.grid)
-        includes = [{resolve_key(k): v for k, v in entry.items()} for entry in spec.include]
-        if spec.seeds is not None:
-            if SEED in grid:
-                raise ConfigError(f"studies.{study}: both `seeds` and the grid axis {SEED} set the seed; give one")
-            outer.setdefault(SEED, list(spec.seeds))
-        for k in outer:
-            grid.pop(k, None)
-    elif not outer and not fixed:
-        known = ", ".join(sorted(cfg.studies)) or "none"
-        what = f"unknown study {study!r}" if study else "nothing to sweep"
-        raise ConfigError(f"{what}: give grid axes KEY=V1,V2 or a study of the profile (studies: {known})")
-    name = study or ADHOC
-
-    combos: list[dict[str, Any]] = []
-    for o in _product(outer):
-        combos += [{**g, **o} for g in _product(grid)] if grid or not includes else []
-        combos += [{**o, **{k: v for k, v in inc.items()}} for inc in includes]
-    if not combos:
-        combos = [{}]
-
-    # Resolve, dropping exact duplicates (an include that repeats a grid point).
-    resolved: list[tuple[dict[str, Any], Config]] = []
-    seen: set[str] = set()
-    for values in combos:
-        desc = ", ".join(f"{k}={v}" for k, v in values.items()) or "base"
-        trial_cfg = with_values(base, values, origin=f"study {name}: {desc}")
-        key = _config_key(trial_cfg)
-        if key not in seen:
-            seen.add(key)
-            if is_continued(trial_cfg):
-                values = {**values, INIT: CONTINUED}     # named as such even when set for the whole sweep
-            resolved.append((values, trial_cfg))
-
-    for values, trial_cfg in resolved:
-        if trial_cfg.train.parent and not needs_parent(trial_cfg):
-            raise ConfigError(f"study {name}: {PARENT}={trial_cfg.train.parent} on a {trial_cfg.drafter.variant} "
-                              f"with drafter.init={trial_cfg.drafter.init}: only a drafter that starts from an "
-                              f"eagle3 checkpoint has a parent (init=ckpt hybrid/cross_only, or eagle3 init=continued)")
-
-    # Parents of ckpt-initialised children (and of continued eagle3s), added when missing.
-    parents_by_key = {_eagle3_key(c): i for i, (v, c) in enumerate(resolved)
-                      if c.drafter.variant == "eagle3" and not is_continued(c)}
-    for values, trial_cfg in list(resolved):
-        if needs_parent(trial_cfg) and _parent_key(trial_cfg) not in parents_by_key:
-            pvals = {k: v for k, v in values.items() if k not in _EAGLE3_IGNORES and k != PARENT}
-            pvals[VARIANT] = "eagle3"
-            pvals.update({f"train.{k}": v for k, v in trial_cfg.train.parent.items()})
-            pcfg = parent_config(trial_cfg, origin=f"study {name}: eagle3 parent")
-            parents_by_key[_eagle3_key(pcfg)] = len(resolved)
-            resolved.append((pvals, pcfg))
-
-    # The compute-matched control of every ckpt child: its parent continued for the child's schedule, once per
-    # schedule (without `train.parent` a parent's children share its schedule, so once per parent).
-    controlled = {_eagle3_key(c) for _, c in resolved if is_continued(c)}
-    for values, trial_cfg in list(resolved):
-        key = _eagle3_key(trial_cfg)
-        if trial_cfg.drafter.variant in CKPT_CHILDREN and trial_cfg.drafter.init == "ckpt" and key not in controlled:
-            # the parent continued with the child's train settings (its own, unless `train.parent` differs)
-            pvals, pcfg = resolved[parents_by_key[_parent_key(trial_cfg)]]
-            own = {k: v for k, v in values.items() if k.startswith("train.")} if trial_cfg.train.parent else {}
-            schedule = {f"train.{k}": v for k, v in trial_cfg.train.model_dump().items()}
-            resolved.append(({**pvals, **own, INIT: CONTINUED},
-                             with_values(pcfg, {**schedule, INIT: CONTINUED},
-                                         origin=f"study {name}: eagle3 continued")))
-            controlled.add(key)
-
-    naming = _naming_keys([v for v, _ in resolved])
-    names = _unique_names([(trial_name(c.drafter.variant, v, naming), v) for v, c in resolved])
-    trials = [Trial(name=n, study=name, values=v, config=c) for n, (v, c) in zip(names, resolved)]
-    for t in trials:
-        if needs_parent(t.config):
-            t.depends_on = trials[parents_by_key[_parent_key(t.config)]].name
-    # Parents first (stable otherwise).
-    return sorted(trials, key=lambda t: t.depends_on is not None)
-
-
-def trial_matches(t: Trial, only: dict[str, list[Any]]) -> bool:
-    """Whether a trial's config takes one of the allowed values of every key of `only` (KEY -> values)."""
-    return all(_lookup(t.config, k) in vals for k, vals in _resolve_axes(only).items())
-
-
-def plan_part(trials: list[Trial], only: dict[str, list[Any]]) -> list[Trial]:
-    """The part of a plan whose settings take the `only` values (KEY -> allowed values), with the parent and the
-    compute-matched control of each ckpt child kept; names stay the whole plan's. A study run in parts (one data
-    scale now, the other later) so names each trial as the whole study does, and its parts combine by name."""
-    only = _resolve_axes(only)
-    kept = {t.name for t in trials if trial_matches(t, only)}
-    if not kept:
-        raise ConfigError(f"--only {filter_text(only)}: no trial of the plan has these settings (`--dry-run` "
-                          "without it lists them)")
-    # the control of a kept child: the continued eagle3 of its schedule (its parent's children share one unless
-    # `train.parent` gives them other settings than the parent's)
-    schedules = {_eagle3_key(t.config) for t in trials if t.name in kept and t.variant in CKPT_CHILDREN
-                 and t.config.drafter.init == "ckpt"}
-    controls = {t.name for t in trials if is_continued(t.config) and _eagle3_key(t.config) in schedules}
-    kept |= controls
-    parents = {t.depends_on for t in trials if t.name in kept and t.depends_on}
-    kept |= parents
-    return [t for t in trials if t.name in kept]
-
-
-def decodes_any(cfg: Config, study: str, trials: list[Trial]) -> bool:
-    """Whether the study decodes some of these trials end to end (its `e2e`: all of them, or a filter)."""
-    wants = cfg.studies[study].e2e
-    return wants is True or (isinstance(wants, dict) and any(trial_matches(t, wants) for t in trials))
-
-
-def part_filter(cfg: Config, study: str | None, part: str) -> dict[str, list[Any]]:
-    """The `--only` filter of the named part of a study (`studies.STUDY.parts.PART`)."""
-    spec = cfg.studies.get(study) if study else None
-    if spec is None:
-        raise ConfigError(f"--part {part}: needs --study, a study of this profile "
-                          f"({', '.join(sorted(cfg.studies)) or 'none'})")
-    if part not in spec.parts:
-        has = f"its parts: {', '.join(spec.parts)}" if spec.parts else "it has no parts"
-        raise ConfigError(f"--part {part}: not a part of study {study} ({has})")
-    return _resolve_axes(spec.parts[part])
-
-
-def check_parts(trials: list[Trial], cfg: Config, study: str | None) -> dict[str, list[Trial]]:
-    """A study's parts with the trials each runs; a ConfigError when a part matches no trial or a trial of the
-    plan lies in no part (run part by part, the study would never finish). {} for a study without parts."""
-    spec = cfg.studies.get(study) if study else None
-    if spec is None or not spec.parts:
-        return {}
-    parts: dict[str, list[Trial]] = {}
-    for name, only in spec.parts.items():
-        try:
-            parts[name] = plan_part(trials, only)
-        except ConfigError:
-            raise ConfigError(f"studies.{study}.parts.{name}: no trial of the plan has these settings") from None
-    covered = {t.name for part in parts.values() for t in part}
-    left = [t.name for t in trials if t.name not in covered]
-    if left:
-        raise ConfigError(f"studies.{study}.parts: no part runs {', '.join(left)}; add a part whose filter "
-                          "matches them")
-    return parts
-
-
-def _naming_keys(all_values: list[dict[str, Any]]) -> list[str]:
-    """Keys (in first-seen order) whose value differs between trials or is missing from some."""
-    keys: list[str] = []
-    for v in all_values:
-        keys += [k for k in v if k not in keys]
-    varying = []
-    for k in keys:
-        seen = {json.dumps(v.get(k, "<unset>"), sort_keys=True, default=str) for v in all_values}
-        if len(seen) > 1:
-            varying.append(k)
-    return varying
-
-
-def _unique_names(named: list[tuple[str, dict[str, Any]]]) -> list[str]:
-    counts: dict[str, int] = {}
-    for n, _ in named:
-        counts[n] = counts.get(n, 0) + 1
-    out = []
-    for n, v in named:
-        if counts[n] > 1:   # same readable name, different config: disambiguate deterministically
-            n = f"{n}-{hashlib.sha256(json.dumps(v, sort_keys=True, default=str).encode()).hexdigest()[:6]}"
-        out.append(n)
-    return out
-
-
-def waves(trials: list[Trial], finished: set[str] | frozenset = frozenset()) -> list[list[Trial]]:
-    """Trials grouped so that every trial comes after the trial it depends on (`finished` ones need no wave)."""
-    done: set[str] = set(finished)
-    remaining = list(trials)
-    out = []
-    while remaining:
-        wave = [t for t in remaining if t.depends_on is None or t.depends_on in done]
-        if not wave:
-            missing = sorted({t.depends_on for t in remaining})
-            raise ConfigError(f"trials depend on trials not in the plan: {', '.join(missing)}")
-        out.append(wave)
-        done |= {t.name for t in wave}
-        remaining = [t for t in remaining if t.name not in done]
-    return out
-
 
 # A trial's training time relative to another's, fitted to the study's own trials (results/study, 960 steps on 2
 # cores: eagle3 25 min, kv_only 28 / 43 / 68 min at depth 1 / 2 / 4): per step 3.0 units, 1.6 more per drafter layer
@@ -408,10 +104,6 @@ def time_left(costs: dict[str, float], finished: dict[str, float], running: dict
     return max(sum(ahead) / max(1, min(slots, len(ahead))), max(ahead))
 
 
-def varying_keys(trials: list[Trial]) -> list[str]:
-    return _naming_keys([t.values for t in trials])
-
-
 def _short(key: str) -> str:
     return key.rsplit(".", 1)[-1]
 
@@ -436,13 +128,6 @@ def _name_columns(table: Table, trials: list[Trial]) -> None:
     """Trial and variant columns wide enough that names never wrap (other columns give way)."""
     table.add_column("trial", style="bold", no_wrap=True, min_width=max((len(t.name) for t in trials), default=5))
     table.add_column("variant", no_wrap=True, min_width=max((len(t.variant) for t in trials), default=7))
-
-
-def _lookup(cfg: Config, dotted: str) -> Any:
-    node: Any = cfg
-    for part in dotted.split("."):
-        node = node[part] if isinstance(node, dict) else getattr(node, part)
-    return node
 
 
 def show_plan(trials: list[Trial], console: Console | None = None, paths: Paths | None = None) -> Table:
@@ -472,7 +157,7 @@ def show_plan(trials: list[Trial], console: Console | None = None, paths: Paths 
         fingerprint_trials(trials, paths)
         table.add_column("status")
     for i, t in enumerate(trials, 1):
-        flat = {k: _lookup(t.config, k) for k in settings}
+        flat = {k: lookup(t.config, k) for k in settings}
         cells = [str(i), t.name, t.config.drafter.variant]
         cells += [str(t.values.get(k, "·")) for k in shown]
         cells += [f"{v:g}" if isinstance(v, float) else str(v) for v in flat.values()]

@@ -22,7 +22,7 @@ def test_rows_lacking_a_newer_field_match_its_default_only():
 def test_a_trial_swept_beyond_the_setting_fields_matches_rows_of_those_values_only():
     """The scale study's large children (train.epochs, train.parent) are not the former design's large rows."""
     from pipeline.budget import setting_of
-    from pipeline.sweep import plan
+    from pipeline.plan import plan
 
     large = next(t for t in plan(load_config("study"), study="scale") if t.name.startswith("hybrid-large-epochs1"))
     want = setting_of(large)

@@ -8,7 +8,8 @@ import json
 import pytest
 
 from pipeline.config import load_config, profile_path
-from pipeline.sweep import check_parts, plan
+from pipeline.parts import check_parts
+from pipeline.plan import plan
 from stages.common import Paths, TargetParams
 from stages.evaluate import EvalParams
 from stages.evaluate import run as evaluate

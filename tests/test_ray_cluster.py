@@ -9,7 +9,8 @@ from pathlib import Path
 import pytest
 
 from pipeline.config import load_config, parse_overrides
-from pipeline.sweep import plan, run_sweep
+from pipeline.plan import plan
+from pipeline.sweep import run_sweep
 from stages.common import Paths
 
 ROOT = Path(__file__).resolve().parent.parent

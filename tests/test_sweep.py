@@ -16,8 +16,9 @@ from rich.console import Console
 
 from pipeline.config import ConfigError, load_config, parse_overrides, with_values
 from pipeline.fingerprint import HashCache, data_hashes, fingerprint, path_hash
-from pipeline.sweep import (_Forward, estimated_cost, fingerprint_trials, plan, run_sweep, schedule_order, show_plan,
-                            time_left, trial_slots, waves)
+from pipeline.plan import plan, waves
+from pipeline.sweep import (_Forward, estimated_cost, fingerprint_trials, run_sweep, schedule_order, show_plan,
+                            time_left, trial_slots)
 from pipeline.trial import cached_result
 from stages.common import Paths
 
@@ -145,7 +146,7 @@ def test_continued_control_once_per_parent_and_shared_across_studies():
 def test_part_of_a_plan_keeps_its_names_parents_and_controls():
     """`--only`: a study run in parts names each trial as the whole study does, so the parts combine by name; a
     ckpt child keeps the parent it loads and the control it is compared with."""
-    from pipeline.sweep import plan_part
+    from pipeline.parts import plan_part
 
     trials = plan(load_config("default"), study="scale")
     small = plan_part(trials, parse_overrides(["train.scale=small"]))
@@ -165,7 +166,7 @@ def test_children_of_a_parent_trained_on_other_settings():
     a copy), each with a control continued for the child's own schedule; a part of the large children keeps that
     parent and their control, not the small children's."""
     from pipeline.fingerprint import config_hash
-    from pipeline.sweep import plan_part
+    from pipeline.parts import plan_part
 
     large = {"drafter.variant": "hybrid", "train.scale": "large", "train.epochs": 2,
              "train.parent": {"scale": "small", "epochs": 1}}
@@ -217,7 +218,7 @@ def test_a_parent_on_other_settings_needs_a_child_and_train_settings():
 def test_the_study_profiles_parts_cover_each_plan():
     """Run part by part, every study of the study profile finishes: each trial lies in a part (with the parent and
     the control it needs), and each part names trials of the plan."""
-    from pipeline.sweep import check_parts
+    from pipeline.parts import check_parts
 
     cfg = load_config("study")
     for study, spec in cfg.studies.items():
@@ -231,7 +232,7 @@ def test_the_study_profiles_parts_cover_each_plan():
 
 def test_parts_that_leave_a_trial_out_or_match_nothing_are_one_line_errors():
     from pipeline.config import Config
-    from pipeline.sweep import check_parts, part_filter
+    from pipeline.parts import check_parts, part_filter
 
     tree = load_config("study").model_dump()
     tree["studies"]["depth"]["parts"] = {"seed0": {"train.seed": [0]}}
@@ -663,7 +664,8 @@ KILL_SCRIPT = """
 import os, sys, time
 from pathlib import Path
 from pipeline.config import load_config, parse_overrides
-from pipeline.sweep import plan, run_sweep
+from pipeline.plan import plan
+from pipeline.sweep import run_sweep
 from stages.common import Paths
 
 def slow_trial(trial, paths, report):

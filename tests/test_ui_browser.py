@@ -22,7 +22,8 @@ from typing import Any, Callable
 import pytest
 
 from pipeline.config import load_config
-from pipeline.sweep import plan, run_sweep
+from pipeline.plan import plan
+from pipeline.sweep import run_sweep
 from pipeline.ui import answers
 from stages.common import Paths
 

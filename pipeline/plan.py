@@ -1,0 +1,305 @@
+"""The plan of a sweep: its trials, their names and the trials they depend on. Pure: no Ray, no files.
+
+    trials = plan(cfg, parse_overrides(["depth=1,2,3,4"]))      # ad hoc grid -> study "adhoc"
+    trials = plan(cfg, study="depth")                            # a study of the profile (grid + include + seeds)
+
+The parts a study runs in are filters of its plan (`pipeline.parts`).
+"""
+from __future__ import annotations
+
+import hashlib
+import itertools
+import json
+import re
+from typing import Any
+
+from pipeline.config import Config, ConfigError, resolve_key, with_values
+from pipeline.trial import CKPT_CHILDREN, CONTINUED, Trial, is_continued, needs_parent
+
+ADHOC = "adhoc"
+VARIANT = "drafter.variant"
+INIT = "drafter.init"
+SEED = "train.seed"
+PARENT = "train.parent"
+# Drafter settings an eagle3 drafter does not use: a ckpt child's parent ignores them.
+_EAGLE3_IGNORES = ("drafter.variant", "drafter.injection", "drafter.rope_fix", "drafter.init", "drafter.no_target",
+                   "drafter.token_context", "drafter.block_size", "drafter.context")
+
+Resolved = list[tuple[dict[str, Any], Config]]   # (the values a trial sets, its resolved config), in plan order
+
+
+# -- names -------------------------------------------------------------------------------------------------------
+
+def _token(key: str, value: Any) -> str:
+    """A short readable name part for one varying value."""
+    short = key.rsplit(".", 1)[-1]
+    if short == "depth":
+        text = f"d{value}"
+    elif short == "rope_fix":
+        text = "ropefix" if value else "norope"
+    elif short in ("injection", "init", "scale", "variant"):
+        text = str(value)
+    elif short == "seed":
+        text = f"s{value}"
+    elif short == "no_target":
+        text = "no_target" if value else "target"
+    elif short == "token_context":
+        text = "token_context" if value else "no_token_context"
+    elif short == "context":
+        text = str(value)
+    elif short == "block_size":
+        text = f"B{value}"
+    elif short == "parent" and isinstance(value, dict):
+        text = "from_" + "_".join(_token(f"train.{k}", v) for k, v in value.items()) if value else "from_own"
+    elif short in ("fc_norm", "norm_output") and isinstance(value, bool):
+        text = short if value else f"no_{short}"
+    elif isinstance(value, bool):
+        text = short if value else f"no_{short}"
+    else:
+        text = f"{short}{value}"
+    return re.sub(r"[^A-Za-z0-9_.=+-]+", "_", text).strip("_") or "x"
+
+
+def trial_name(variant: str, values: dict[str, Any], naming_keys: list[str]) -> str:
+    """`<variant>-<token>-...` from the values of `naming_keys` (those that vary across the plan), in order."""
+    keys = [k for k in naming_keys if k in values and k != VARIANT]
+    if variant == "eagle3" and values.get("drafter.fc_norm") is True and values.get("drafter.norm_output") is True:
+        variant = "eagle3.1"            # both EAGLE-3.1 normalisations: the drafter has a name of its own
+        keys = [k for k in keys if k not in ("drafter.fc_norm", "drafter.norm_output")]
+    return "-".join([variant] + [_token(k, values[k]) for k in keys])
+
+
+def _naming_keys(all_values: list[dict[str, Any]]) -> list[str]:
+    """Keys (in first-seen order) whose value differs between trials or is missing from some."""
+    keys: list[str] = []
+    for v in all_values:
+        keys += [k for k in v if k not in keys]
+    varying = []
+    for k in keys:
+        seen = {json.dumps(v.get(k, "<unset>"), sort_keys=True, default=str) for v in all_values}
+        if len(seen) > 1:
+            varying.append(k)
+    return varying
+
+
+def varying_keys(trials: list[Trial]) -> list[str]:
+    return _naming_keys([t.values for t in trials])
+
+
+def _unique_names(named: list[tuple[str, dict[str, Any]]]) -> list[str]:
+    counts: dict[str, int] = {}
+    for n, _ in named:
+        counts[n] = counts.get(n, 0) + 1
+    out = []
+    for n, v in named:
+        if counts[n] > 1:   # same readable name, different config: disambiguate deterministically
+            n = f"{n}-{hashlib.sha256(json.dumps(v, sort_keys=True, default=str).encode()).hexdigest()[:6]}"
+        out.append(n)
+    return out
+
+
+# -- configs -----------------------------------------------------------------------------------------------------
+
+def resolve_axes(axes: dict[str, list[Any]]) -> dict[str, list[Any]]:
+    out = {}
+    for key, values in axes.items():
+        values = list(values) if isinstance(values, (list, tuple)) else [values]
+        if not values:
+            raise ConfigError(f"grid axis {key!r} has no values")
+        out[resolve_key(key)] = values
+    return out
+
+
+def _product(axes: dict[str, list[Any]]) -> list[dict[str, Any]]:
+    keys = list(axes)
+    return [dict(zip(keys, combo)) for combo in itertools.product(*(axes[k] for k in keys))]
+
+
+def lookup(cfg: Config, dotted: str) -> Any:
+    """The value of a dotted key (`train.seed`) in a resolved config."""
+    node: Any = cfg
+    for part in dotted.split("."):
+        node = node[part] if isinstance(node, dict) else getattr(node, part)
+    return node
+
+
+def eagle3_key(cfg: Config) -> str:
+    """An eagle3 drafter trained for `cfg`: everything but the drafter settings it ignores (a ckpt child, its
+    continued control and their eagle3 share it when `train.parent` is empty)."""
+    tree = cfg.model_dump()
+    for k in _EAGLE3_IGNORES:
+        tree["drafter"].pop(k.split(".", 1)[1], None)
+    keep = ("target", "data", "regenerate", "features", "drafter", "train", "eval")
+    return json.dumps({k: tree[k] for k in keep}, sort_keys=True, default=str)
+
+
+def parent_config(cfg: Config, origin: str = "eagle3 parent") -> Config:
+    """The eagle3 a ckpt child (or a continued eagle3) starts from: its own config as a plain eagle3, with the train
+    settings of `train.parent` in place of its own."""
+    values: dict[str, Any] = {VARIANT: "eagle3"}
+    if is_continued(cfg):
+        values[INIT] = "ckpt"           # a plain eagle3 (init is not read by eagle3 training)
+    if cfg.train.parent:
+        values.update({f"train.{k}": v for k, v in cfg.train.parent.items()})
+        values[PARENT] = {}
+    return with_values(cfg, values, origin=origin)
+
+
+def _parent_key(cfg: Config) -> str:
+    """The key (`eagle3_key`) of the eagle3 that `cfg` starts from."""
+    return eagle3_key(parent_config(cfg)) if cfg.train.parent else eagle3_key(cfg)
+
+
+def _config_key(cfg: Config) -> str:
+    return json.dumps(cfg.model_dump(), sort_keys=True, default=str)
+
+
+# -- the plan ----------------------------------------------------------------------------------------------------
+
+def plan(cfg: Config, axes: dict[str, list[Any]] | None = None, study: str | None = None) -> list[Trial]:
+    """The trials of a sweep, parents first.
+
+    - `study` names a study of the profile (`cfg.studies`): its grid, each `include` entry as a single trial, and
+      its `seeds` (an axis over train.seed when given). `axes` on top add or replace grid axes; an axis with one
+      value applies to every trial.
+    - Otherwise the sweep is ad hoc: the grid is `axes` over `cfg` (variant defaults to the profile's), in a study
+      named `study` or "adhoc".
+    - hybrid/cross_only with init=ckpt depend on the eagle3 trial of the same data, training settings and seed;
+      that trial is added when the plan lacks it. So is, once per parent, the compute-matched control such a
+      child is compared with (DESIGN §4): an eagle3 with init=continued, the parent continued for the child's
+      schedule. Its config is the parent's with init=continued, the same in every study, so its fingerprint is
+      shared and it trains once. With `train.parent` (children of an eagle3 trained on other settings, say the
+      small data scale's) the control is the child's own schedule as a continued eagle3, once per schedule.
+    Names are `<variant>-<values that vary>`, unique and stable for the same plan.
+    """
+    axes = resolve_axes(axes or {})
+    fixed = {k: v[0] for k, v in axes.items() if len(v) == 1}
+    outer = {k: v for k, v in axes.items() if len(v) > 1}
+    base = with_values(cfg, fixed, origin="override") if fixed else cfg
+    grid, includes = _study_axes(cfg, study, outer, fixed)
+    name = study or ADHOC
+    resolved = _resolve(base, _combos(outer, grid, includes), name)
+    _check_parents(resolved, name)
+    parents_by_key = _add_parents(resolved, name)
+    _add_controls(resolved, parents_by_key, name)
+    return _trials(resolved, parents_by_key, name)
+
+
+def _study_axes(cfg: Config, study: str | None, outer: dict[str, list[Any]],
+                fixed: dict[str, Any]) -> tuple[dict[str, list[Any]], list[dict[str, Any]]]:
+    """The grid and the include entries of the study `study` (none for an ad-hoc sweep); its seeds join `outer`
+    and the axes given on top (`outer`) leave its grid."""
+    grid: dict[str, list[Any]] = {}
+    includes: list[dict[str, Any]] = []
+    if study is not None and study in cfg.studies:
+        spec = cfg.studies[study]
+        grid = resolve_axes(spec.grid)
+        includes = [{resolve_key(k): v for k, v in entry.items()} for entry in spec.include]
+        if spec.seeds is not None:
+            if SEED in grid:
+                raise ConfigError(f"studies.{study}: both `seeds` and the grid axis {SEED} set the seed; give one")
+            outer.setdefault(SEED, list(spec.seeds))
+        for k in outer:
+            grid.pop(k, None)
+    elif not outer and not fixed:
+        known = ", ".join(sorted(cfg.studies)) or "none"
+        what = f"unknown study {study!r}" if study else "nothing to sweep"
+        raise ConfigError(f"{what}: give grid axes KEY=V1,V2 or a study of the profile (studies: {known})")
+    return grid, includes
+
+
+def _combos(outer: dict[str, list[Any]], grid: dict[str, list[Any]],
+            includes: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """The values of every trial the grid and the includes ask for, under every combination of `outer`."""
+    combos: list[dict[str, Any]] = []
+    for o in _product(outer):
+        combos += [{**g, **o} for g in _product(grid)] if grid or not includes else []
+        combos += [{**o, **{k: v for k, v in inc.items()}} for inc in includes]
+    if not combos:
+        combos = [{}]
+    return combos
+
+
+def _resolve(base: Config, combos: list[dict[str, Any]], name: str) -> Resolved:
+    """Each combination resolved over `base`, dropping exact duplicates (an include that repeats a grid point)."""
+    resolved: Resolved = []
+    seen: set[str] = set()
+    for values in combos:
+        desc = ", ".join(f"{k}={v}" for k, v in values.items()) or "base"
+        trial_cfg = with_values(base, values, origin=f"study {name}: {desc}")
+        key = _config_key(trial_cfg)
+        if key not in seen:
+            seen.add(key)
+            if is_continued(trial_cfg):
+                values = {**values, INIT: CONTINUED}     # named as such even when set for the whole sweep
+            resolved.append((values, trial_cfg))
+    return resolved
+
+
+def _check_parents(resolved: Resolved, name: str) -> None:
+    """Only a drafter that starts from an eagle3 checkpoint may name `train.parent`."""
+    for _, trial_cfg in resolved:
+        if trial_cfg.train.parent and not needs_parent(trial_cfg):
+            raise ConfigError(f"study {name}: {PARENT}={trial_cfg.train.parent} on a {trial_cfg.drafter.variant} "
+                              f"with drafter.init={trial_cfg.drafter.init}: only a drafter that starts from an "
+                              f"eagle3 checkpoint has a parent (init=ckpt hybrid/cross_only, or eagle3 init=continued)")
+
+
+def _add_parents(resolved: Resolved, name: str) -> dict[str, int]:
+    """Add the parents of ckpt-initialised children (and of continued eagle3s) that the plan lacks; -> the index in
+    `resolved` of the eagle3 of every `eagle3_key`."""
+    parents_by_key = {eagle3_key(c): i for i, (v, c) in enumerate(resolved)
+                      if c.drafter.variant == "eagle3" and not is_continued(c)}
+    for values, trial_cfg in list(resolved):
+        if needs_parent(trial_cfg) and _parent_key(trial_cfg) not in parents_by_key:
+            pvals = {k: v for k, v in values.items() if k not in _EAGLE3_IGNORES and k != PARENT}
+            pvals[VARIANT] = "eagle3"
+            pvals.update({f"train.{k}": v for k, v in trial_cfg.train.parent.items()})
+            pcfg = parent_config(trial_cfg, origin=f"study {name}: eagle3 parent")
+            parents_by_key[eagle3_key(pcfg)] = len(resolved)
+            resolved.append((pvals, pcfg))
+    return parents_by_key
+
+
+def _add_controls(resolved: Resolved, parents_by_key: dict[str, int], name: str) -> None:
+    """Add the compute-matched control of every ckpt child: its parent continued for the child's schedule, once per
+    schedule (without `train.parent` a parent's children share its schedule, so once per parent)."""
+    controlled = {eagle3_key(c) for _, c in resolved if is_continued(c)}
+    for values, trial_cfg in list(resolved):
+        key = eagle3_key(trial_cfg)
+        if trial_cfg.drafter.variant in CKPT_CHILDREN and trial_cfg.drafter.init == "ckpt" and key not in controlled:
+            # the parent continued with the child's train settings (its own, unless `train.parent` differs)
+            pvals, pcfg = resolved[parents_by_key[_parent_key(trial_cfg)]]
+            own = {k: v for k, v in values.items() if k.startswith("train.")} if trial_cfg.train.parent else {}
+            schedule = {f"train.{k}": v for k, v in trial_cfg.train.model_dump().items()}
+            resolved.append(({**pvals, **own, INIT: CONTINUED},
+                             with_values(pcfg, {**schedule, INIT: CONTINUED},
+                                         origin=f"study {name}: eagle3 continued")))
+            controlled.add(key)
+
+
+def _trials(resolved: Resolved, parents_by_key: dict[str, int], name: str) -> list[Trial]:
+    """The named trials of study `name`, each child pointing at its parent; parents first (stable otherwise)."""
+    naming = _naming_keys([v for v, _ in resolved])
+    names = _unique_names([(trial_name(c.drafter.variant, v, naming), v) for v, c in resolved])
+    trials = [Trial(name=n, study=name, values=v, config=c) for n, (v, c) in zip(names, resolved)]
+    for t in trials:
+        if needs_parent(t.config):
+            t.depends_on = trials[parents_by_key[_parent_key(t.config)]].name
+    return sorted(trials, key=lambda t: t.depends_on is not None)
+
+
+def waves(trials: list[Trial], finished: set[str] | frozenset = frozenset()) -> list[list[Trial]]:
+    """Trials grouped so that every trial comes after the trial it depends on (`finished` ones need no wave)."""
+    done: set[str] = set(finished)
+    remaining = list(trials)
+    out = []
+    while remaining:
+        wave = [t for t in remaining if t.depends_on is None or t.depends_on in done]
+        if not wave:
+            missing = sorted({t.depends_on for t in remaining})
+            raise ConfigError(f"trials depend on trials not in the plan: {', '.join(missing)}")
+        out.append(wave)
+        done |= {t.name for t in wave}
+        remaining = [t for t in remaining if t.name not in done]
+    return out
