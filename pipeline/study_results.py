@@ -25,6 +25,7 @@ import yaml
 
 from pipeline.provenance import MACHINES, PARTS, TIMINGS
 from stages.common import StageError, write_json_atomic, write_text_atomic
+from stages.engine_report import ENGINE_METRICS
 
 # where each file lies in a workspace -> where it lies in the results folder
 _JSON_RECORDS = {TIMINGS: "timings.json", MACHINES: "machines.json", PARTS: "parts.json"}
@@ -88,6 +89,8 @@ def merge(workspace: Path, results: Path, staging: Path) -> Merged:
         write_json_atomic(staging / "metrics" / "stepwise" / path.name, rows)
     e2e_from = _merge_e2e(workspace / "metrics" / "e2e.json", results / "metrics" / "e2e.json",
                           staging / "metrics" / "e2e.json", set(combined))
+    # the serving engines' rows (e2e.engines) merge as the e2e rows do
+    _merge_e2e(workspace / ENGINE_METRICS, results / ENGINE_METRICS, staging / ENGINE_METRICS, set(combined))
     for ws_rel, kept_name in _JSON_RECORDS.items():
         kept_record, ws_record = _read_record(results / kept_name), _read_record(workspace / ws_rel)
         record = {**kept_record, **ws_record}

@@ -7,7 +7,8 @@ deps (tests/test_repro.py checks that they agree).
 
 TRIAL_CODE is that file set, in one place: the source of models/ and of the stages a trial runs (train; evaluate;
 features, which computes the target information online in training and offline for the cache) with the helpers
-they import. DECODE_CODE adds the e2e stage, which decodes trained drafters: its rows carry
+they import. DECODE_CODE adds the e2e stage, which decodes trained drafters (with kvshot's loop and, when asked,
+a serving engine): its rows carry
 `code_hash(DECODE_CODE)`, and a change of the decoding loop reruns the decoding, not the training. Left out on
 purpose:
   * the data stages' own modules (prepare, sources): their outputs are hashed as data, content by content;
@@ -36,7 +37,14 @@ TRIAL_CODE: tuple[str, ...] = (
     "stages/export.py",          # checkpoint reads exported drafters through it
     "stages/evaluate.py",
 )
-DECODE_CODE: tuple[str, ...] = (*TRIAL_CODE, "stages/e2e.py")
+DECODE_CODE: tuple[str, ...] = (
+    *TRIAL_CODE,
+    "stages/e2e.py",
+    "stages/engine.py",          # a serving engine beside kvshot's decoding (e2e.engines)
+    "stages/engine_env.py",
+    "stages/engine_report.py",   # the engine rows' file name
+    "stages/vllm_generate.py",   # run by path in the engine's own environment
+)
 
 
 def code_files(root: Path = ROOT, patterns: tuple[str, ...] = TRIAL_CODE) -> list[Path]:

@@ -16,7 +16,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any, Literal
 
-from pydantic import Field
+from pydantic import Field, field_validator
 
 from stages.code_hash import DECODE_CODE, code_hash
 from stages.common import Paths, Report, Section, StageError, TargetParams, load_target_for, read_jsonl, \
@@ -42,6 +42,26 @@ class E2EParams(Section):
     lookup_tokens: int = Field(0, ge=0)   # n-gram lookup branch grafted onto each drafter's tree (0: none)
     lookup_ngram: int = Field(3, ge=1)    # longest n-gram the lookup matches
     drafter_weights: Literal["native", "int8"] = "native"   # int8: the drafters' linears weight-only int8
+    # serving engines beside kvshot's own loop: vllm serves every EAGLE-3 head with vLLM's CPU build (its own
+    # environment, built once in scratch/vllm-env) at each of engine_draft_tokens -> metrics/engine.json
+    engines: list[Literal["kvshot", "vllm"]] = ["kvshot"]
+    engine_draft_tokens: list[int] = [3]
+    engine_eager: bool = False            # skip vLLM's torch.compile: starts in seconds, decodes slower
+
+    @field_validator("engines")
+    @classmethod
+    def _kvshot_decodes(cls, v: list[str]) -> list[str]:
+        if "kvshot" not in v:
+            raise ValueError("kvshot decodes every drafter (the engines are compared with it): list it, e.g. "
+                             "[kvshot, vllm]")
+        return v
+
+    @field_validator("engine_draft_tokens")
+    @classmethod
+    def _positive(cls, v: list[int]) -> list[int]:
+        if not v or any(k < 1 for k in v):
+            raise ValueError("draft lengths of at least 1, e.g. [3]")
+        return v
 
 
 def first_user_turns(rows: list[dict], where: str) -> list[str]:
@@ -177,6 +197,7 @@ def run(params: E2EParams, run_dirs, paths: Paths, report: Report, *, target: Ta
 
     plan: list[tuple[str, dict, str, TreeSpec, int]] = []               # (method, setting, tree kind, tree, lookup)
     k = len(tune_prompts)
+    settings: dict[int, dict] = {}                                      # each drafter's row fields
     with StageProgress() as bar:
         # a drafter with one candidate tree has nothing to choose between: it is not decoded to be tuned
         tunes = sum(n for n in (len(block_candidates) if ckpt.variant_of(r) == "block" else len(candidates)
@@ -186,7 +207,7 @@ def run(params: E2EParams, run_dirs, paths: Paths, report: Report, *, target: Ta
             drafter, config = ckpt.load_drafter(run_dir, tgt)
             if params.drafter_weights == "int8":
                 drafter = quantize_linears_int8(drafter)
-            setting = _setting(run_dir, config, paths.root)
+            setting = settings[i] = _setting(run_dir, config, paths.root)
             own = block_candidates if drafter.config.variant == "block" else candidates
             for lookup in lookups:
                 if not own:
@@ -237,4 +258,20 @@ def run(params: E2EParams, run_dirs, paths: Paths, report: Report, *, target: Ta
         report({f"{row['trial']}/{kind}/{key}": float(row[key]) for key in   # one MLflow series per drafter
                 ("tau", "tokens_per_s", "speedup", "draft_time_share", "exact_match", "lossless")})
     write_json_atomic(paths.e2e_metrics, rows)
+    engine_rows: list[dict] = []
+    if "vllm" in params.engines:
+        from stages.engine import run_engines
+
+        with StageProgress() as bar:
+            engine_rows = run_engines(params.engine_draft_tokens, run_dirs, [settings[i] for i in range(len(run_dirs))],
+                                      prompts, tgt, target, params.dtype, n_new, paths, bar,
+                                      eager=params.engine_eager)
+        for row in engine_rows:
+            if row["status"] == "ok":
+                report({f"{row['trial']}/vllm-k{row['draft_tokens']}/{key}": float(row[key])
+                        for key in ("tau", "kvshot_tau", "speedup", "kvshot_speedup", "exact_match")})
+    else:
+        from stages.engine_report import ENGINE_METRICS
+
+        write_json_atomic(paths.root / ENGINE_METRICS, engine_rows)     # the stage's output, empty without engines
     return rows

@@ -25,9 +25,10 @@ import pandas as pd
 import yaml
 
 from stages.common import Paths, Report, atomic_path, filter_text, write_text_atomic
+from stages.engine_report import ENGINE_METRICS, engine_section
 from stages.findings import MISSING, Verdict, findings, fmt, fmt_ci, like_with_like
-from stages.results import (LOOKUP_KIND, PAPER_TREE, E2EGroup, Results, Setting, collect, label, scale_order,
-                            sort_key, variant_name)
+from stages.results import (LOOKUP_KIND, PAPER_TREE, E2EGroup, Results, Setting, collect, label, read_rows,
+                            scale_order, sort_key, variant_name)
 from stages.sections import ReportParams  # noqa: F401 (re-exported: the stage's own section)
 
 PAPER_NUMBERS = Path(__file__).with_name("paper_numbers.yaml")
@@ -774,6 +775,9 @@ def run(params: ReportParams, context: dict, paths: Paths, report: Report) -> No
             if any(s.n > 0 for s in settings):
                 img = figure(f"alpha_{name}.png", lambda p: plot_steps(name, settings, paper, p, params))
                 md += [f"![acc_k and α_k vs k, {name} study]({img})", ""]
+
+    engine_file = paths.root / ENGINE_METRICS
+    md += engine_section(read_rows(engine_file) if engine_file.is_file() else None, params.level)
 
     present = {n: s for n, s in studies.items() if s}
     if any(math.isfinite(s.value("step_retention")) for ss in present.values() for s in ss):

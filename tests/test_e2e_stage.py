@@ -35,6 +35,7 @@ def test_e2e_stage_writes_rows(tmp_path, run_dir, embedded_target, weights):
     rows = run(params, [run_dir], Paths(tmp_path), lambda m, step=None: seen.append(m), target=TargetParams(),
                loaded_target=embedded_target)
     on_disk = json.loads((tmp_path / "metrics" / "e2e.json").read_text())
+    assert json.loads((tmp_path / "metrics" / "engine.json").read_text()) == []     # no serving engine asked for
     assert on_disk == json.loads(json.dumps(rows)) and [r["tree_kind"] for r in rows] == ["tuned", "tuned_lookup", "paper"]
     for r in rows:
         assert r["trial"] == "hybrid-small" and r["variant"] == "hybrid" and r["scale"] == "small"

@@ -25,7 +25,7 @@ pytestmark = pytest.mark.slow
 PROMPTS = ["What is the capital of France? Answer in one sentence.", "Name three primary colors."]
 NEW_TOKENS = 32
 K = 3                    # draft tokens per step (the fallback the speculators export writes without a measured row)
-RUNNER = ROOT / "benchmarks" / "vllm_generate.py"
+RUNNER = ROOT / "stages" / "vllm_generate.py"
 
 
 @pytest.fixture(scope="module")
@@ -128,3 +128,33 @@ def test_vllm_serves_the_export_losslessly_and_its_acceptance_is_kvshots(served)
         assert abs(vllm_tau - kv_tau) <= 0.15 and all(abs(a - b) <= 0.11 for a, b in zip(vllm_pos, kv_pos)), \
             lines[-1]
     print("\n".join(lines) + f"\nengine runs {engine_s:.0f} s")
+
+
+def test_the_e2e_stage_serves_the_drafter_with_vllm_beside_kvshot(served, tmp_path):
+    """`e2e.engines: [kvshot, vllm]`: the stage exports the drafter, serves it with vLLM at the draft length kvshot
+    decodes its chain with, and writes one row: lossless, vLLM's acceptance beside kvshot's on the same prompts
+    (measured: equal), both speedups; the report renders it."""
+    from stages.common import Paths, TargetParams
+    from stages.e2e import E2EParams, run
+    from stages.engine_report import engine_section
+
+    prompts = tmp_path / "prompts.jsonl"           # two to tune on (the same texts), two measured
+    prompts.write_text("".join(json.dumps({"id": str(i), "source": "t", "messages": [{"role": "user", "content": p}]})
+                               + "\n" for i, p in enumerate(PROMPTS * 2)))
+    params = E2EParams(prompts=str(prompts), num_prompts=2, max_new_tokens=NEW_TOKENS, dtype="float32",
+                       paper_tree=[2, 2, 5], tree_candidates=[[K - 1, 1, K + 1]], prompt_lookup=False,
+                       engines=["kvshot", "vllm"], engine_draft_tokens=[K], engine_eager=True)
+    t0 = time.perf_counter()
+    run(params, [served["run_dir"]], Paths(tmp_path), lambda *a, **k: None,
+        target=TargetParams(source="embedded", dtype="float32"), loaded_target=served["target"])
+    rows = json.loads((tmp_path / "metrics" / "engine.json").read_text())
+    assert len(rows) == 1 and rows[0]["status"] == "ok", rows
+    r = rows[0]
+    line = (f"stage: vLLM τ {r['tau']:.3f} {[round(p, 3) for p in r['accepted_per_pos']]}, kvshot τ "
+            f"{r['kvshot_tau']:.3f} {[round(p, 3) for p in r['kvshot_accepted_per_pos']]}; speedup vLLM "
+            f"{r['speedup']:.2f}x, kvshot {r['kvshot_speedup']:.2f}x; {time.perf_counter() - t0:.0f} s")
+    assert r["lossless"] and r["same_as_kvshot_greedy"] == 1.0 and r["draft_tokens"] == K, line
+    assert r["accepted_per_pos"][0] > 0.5 and abs(r["tau"] - r["kvshot_tau"]) <= 0.15, line
+    assert len(r["per_prompt"]["drafts"]) == 2 and r["engine_version"]
+    assert "## Serving engines" in "\n".join(engine_section(rows))
+    print(line)

