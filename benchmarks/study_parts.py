@@ -1,5 +1,5 @@
 """What each part of a profile's studies would take in one go from a fresh workspace, from the committed rows'
-measured trial times: the part's trials replayed as one sweep (`pipeline.sweep.replay`: `ray.max_concurrent` at a
+measured trial times: the part's trials replayed as one sweep (`pipeline.cost.replay`: `ray.max_concurrent` at a
 time, each child after its parent, in the sweep's own order), plus the data stages and the part's end-to-end
 decoding as the results folder's stage times record them; beside it, the part's wall time when it ran in one go
 (`kvshot repro --part`, the folder's parts.json). A study without parts is one part. A trial without a row yet

@@ -1,6 +1,7 @@
 """What a study part would take in one go, from the measured times of its trials wherever they ran: the part's
-trials replayed as one sweep (`sweep.replay`), each for the wall time its row records. Studies run in pieces (a
-seed here, a setting there, trials adopted across studies) so still state the budget of the unit a researcher runs.
+trials replayed as one sweep (`pipeline.cost.replay`), each for the wall time its row records. Studies run in
+pieces (a seed here, a setting there, trials adopted across studies) so still state the budget of the unit a
+researcher runs.
 """
 from __future__ import annotations
 
@@ -8,9 +9,9 @@ import json
 from pathlib import Path
 
 from pipeline.config import Config
+from pipeline.cost import replay
 from pipeline.parts import check_parts, decodes_any
 from pipeline.plan import plan
-from pipeline.sweep import replay
 from pipeline.trial import Trial
 from stages.train import DrafterParams
 

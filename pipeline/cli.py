@@ -132,11 +132,11 @@ def train(overrides: Optional[list[str]] = OverridesArg, profile: Optional[str] 
           study: str = typer.Option("adhoc", help="Study folder under runs/.")):
     """Train one drafter for the resolved config -> runs/<study>/<trial>/."""
     def body():
-        from pipeline import sweep
+        from pipeline.standalone import single_trial, train_one
         cfg, paths = _setup(profile, overrides, root)
-        trial = sweep.single_trial(cfg, study)
+        trial = single_trial(cfg, study)
         with stage_run(cfg, "train", paths) as report:
-            sweep.train_one(trial, paths, report)
+            train_one(trial, paths, report)
         console.print(f"trained {trial.name} -> {paths.run_dir(study, trial.name)}")
     _guarded(body, "train")
 
@@ -146,10 +146,10 @@ def evaluate(overrides: Optional[list[str]] = OverridesArg, profile: Optional[st
              root: Path = RootOpt, study: str = typer.Option("adhoc", help="Evaluate every trained drafter of this study.")):
     """Step-wise acceptance of a study's trained drafters -> metrics/stepwise/<study>.json."""
     def body():
-        from pipeline import sweep
+        from pipeline.standalone import evaluate_study
         cfg, paths = _setup(profile, overrides, root)
         with stage_run(cfg, "evaluate", paths) as report:
-            sweep.evaluate_study(cfg, study, paths, report)
+            evaluate_study(cfg, study, paths, report)
         write_curves(paths, study)
     _guarded(body, "evaluate")
 
@@ -347,9 +347,10 @@ def sweep(overrides: Optional[list[str]] = OverridesArg, profile: Optional[str] 
           part: Optional[str] = PartOpt):
     """Run a grid (KEY=V1,V2 ...) or a study on Ray Tune: train then evaluate every trial."""
     def body():
-        from pipeline import sweep as runner
+        from pipeline.console import show_parts, show_plan
         from pipeline.parts import check_parts, plan_part
         from pipeline.plan import plan
+        from pipeline.sweep import run_sweep
         from stages.common import Paths
 
         rootp = root.resolve()
@@ -364,12 +365,12 @@ def sweep(overrides: Optional[list[str]] = OverridesArg, profile: Optional[str] 
         cache = os.environ.get("KVSHOT_MODEL_CACHE")
         paths = Paths(root=rootp, cache=Path(cache) if cache else None)
         if dry_run:
-            runner.show_plan(trials, console=Console(), paths=paths)
+            show_plan(trials, console=Console(), paths=paths)
             if parts and not wanted:
-                runner.show_parts(parts, Console(), paths)
+                show_parts(parts, Console(), paths)
             return UNTIMED
         check_hardware(cfg)
-        result = runner.run_sweep(trials, paths)
+        result = run_sweep(trials, paths)
         write_curves(paths, trials[0].study if trials else (study or "adhoc"))
         if result.failed:
             _fail(f"{result.failed} of {len(trials)} trials failed: {', '.join(result.failed_names)}")

@@ -16,9 +16,13 @@ from rich.console import Console
 
 from pipeline.config import ConfigError, load_config, parse_overrides, with_values
 from pipeline.fingerprint import HashCache, data_hashes, fingerprint, path_hash
+from pipeline.console import show_plan
+from pipeline.cost import estimated_cost, schedule_order, time_left
+from pipeline.executor import trial_slots
+from pipeline.forward import Forward
 from pipeline.plan import plan, waves
-from pipeline.sweep import (_Forward, estimated_cost, fingerprint_trials, run_sweep, schedule_order, show_plan,
-                            time_left, trial_slots)
+from pipeline.standalone import fingerprint_trials
+from pipeline.sweep import run_sweep
 from pipeline.trial import cached_result
 from stages.common import Paths
 
@@ -202,7 +206,7 @@ def test_a_parent_on_other_settings_needs_a_child_and_train_settings():
         with_values(smoke(), {"train.parent": {"sclae": "small"}})
     with pytest.raises(ConfigError, match=r"train.parent.epochs: Input should be greater than 0"):
         with_values(smoke(), {"train.parent": {"epochs": 0}})
-    from pipeline.sweep import single_trial
+    from pipeline.standalone import single_trial
     child = with_values(smoke(), {"drafter.variant": "hybrid", "drafter.init": "ckpt",
                                   "train.parent": {"scale": "small"}})
     with pytest.raises(ConfigError, match=r"train.parent=\{'scale': 'small'\}: a parent trained on other settings "
@@ -323,7 +327,7 @@ def test_dvc_lock_md5_is_used_when_recorded(tmp_path):
 # -- one trial alone (kvshot train) -----------------------------------------------------------------------------
 
 def test_train_one_passes_context_and_parent_checkpoint(tmp_path, monkeypatch):
-    from pipeline.sweep import single_trial, train_one
+    from pipeline.standalone import single_trial, train_one
     from stages import train
 
     seen = {}
@@ -613,19 +617,20 @@ def test_trial_slots_are_what_the_cluster_holds(ray_local):
 
 def test_progress_line_estimates_the_time_left_from_the_pace_measured():
     trials = plan(smoke(), parse_overrides(["variant=eagle3,hybrid,kv_only"]))
-    forward = _Forward(None, None, {t.name: t for t in trials}, "commit", Console(record=True))
-    forward.track_progress(trials, slots=2)
+    forward = Forward(None, None, {t.name: t for t in trials}, "commit", Console(record=True))
+    progress = forward.progress
+    progress.track(trials, slots=2)
     now = time.time()
-    forward.started_at = {"eagle3": now - 100, "kv_only": now - 100}
+    progress.started_at = {"eagle3": now - 100, "kv_only": now - 100}
     forward.finish("eagle3", {"status": "ok", "mat": 2.0})
-    assert forward.took["eagle3"] == pytest.approx(100.0, abs=1.0)
-    forward.took["eagle3"] = 100.0
+    assert progress.took["eagle3"] == pytest.approx(100.0, abs=1.0)
+    progress.took["eagle3"] = 100.0
     # eagle3 took 100 s for 3.0 units: kv_only (3.31) has ~10 s left, hybrid (3.31) and the continued eagle3 (3.0)
     # 110 + 100 s between 2 slots; never under hybrid's 110 s alone
-    assert forward.progress() == "sweep adhoc: 1/4 trials done, 1 running, about 1:50 left"
+    assert progress.line() == "sweep adhoc: 1/4 trials done, 1 running, about 1:50 left"
     forward.finish("kv_only", {"status": "failed", "error": "boom"})
-    assert "kv_only" not in forward.took              # a failed trial's time does not set the pace
-    assert forward.progress() == "sweep adhoc: 2/4 trials done, about 1:50 left"
+    assert "kv_only" not in progress.took             # a failed trial's time does not set the pace
+    assert progress.line() == "sweep adhoc: 2/4 trials done, about 1:50 left"
 
 
 def test_schedule_order_puts_the_longest_work_first():
@@ -743,7 +748,7 @@ def test_a_trial_alone_on_the_node_computes_on_every_cpu(monkeypatch):
 
 
 def test_replay_of_measured_trial_times_waits_for_parents_and_fills_the_slots():
-    from pipeline.sweep import replay
+    from pipeline.cost import replay
 
     trials = plan(load_config("default"), study="scale")   # eagle3-small, -large, hybrids and continued after them
     took = {t.name: 600.0 if t.depends_on is None else 900.0 for t in trials}
