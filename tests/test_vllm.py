@@ -4,9 +4,10 @@ The drafter is an EAGLE-3 head trained here for a few steps against the embedded
 answers to the two test prompts (so it drafts those answers well: a drafter vLLM loaded wrong would show near-zero
 acceptance, not a pass). It is exported with `--save-verifier` (the target as the dequantized weights it was trained
 on, a local directory: vLLM runs offline) in both formats. vLLM decodes both prompts greedily, plainly and with the
-drafter; the outputs must be token-identical (lossless), the acceptance counters of `llm.get_metrics()` must have
-been read, and vLLM's acceptance must agree with kvshot's own chain decoding of the same export on the same prompts.
-Everything runs in fp32 (bf16 is not bit-stable across batch shapes; ../shared/ENVIRONMENT.md).
+`speculators` export alone, and the e2e stage serves the `eagle3` export (`e2e.engines: [kvshot, vllm]`); the outputs
+must be token-identical (lossless), the acceptance counters of `llm.get_metrics()` must have been read, and vLLM's
+acceptance must agree with kvshot's own chain decoding of the same export on the same prompts. Everything runs in
+fp32 (bf16 rounds differently with the batch shape, so only fp32 is compared token for token).
 """
 from __future__ import annotations
 
@@ -90,21 +91,20 @@ def per_position(accept_lengths: list[int]) -> tuple[int, list[int]]:
 def test_vllm_serves_the_export_losslessly_and_its_acceptance_is_kvshots(served):
     t0 = time.perf_counter()
     plain = vllm_generate(served, "plain", "--model", str(served["verifier"]))
-    # the speculators format alone: vLLM reads the verifier (a local directory) and K from its config, offline
+    # the speculators format alone: vLLM reads the verifier (a local directory) and K from its config, offline (the
+    # eagle3 format goes through the e2e stage, next test)
     spec = vllm_generate(served, "speculators", "--model", str(served["exports"]["speculators"].out))
-    eagle = vllm_generate(served, "eagle3", "--model", str(served["verifier"]),
-                          "--draft", str(served["exports"]["eagle3"].out), "--num-speculative-tokens", str(K))
     engine_s = time.perf_counter() - t0
     assert plain["speculative"] is None and plain["dtype"] == "torch.float32"
-    assert spec["speculative"]["num_speculative_tokens"] == K == eagle["speculative"]["num_speculative_tokens"]
+    assert spec["speculative"]["num_speculative_tokens"] == K
     assert all(len(t) == NEW_TOKENS for t in plain["tokens"])
-    assert spec["tokens"] == plain["tokens"] and eagle["tokens"] == plain["tokens"]         # lossless
+    assert spec["tokens"] == plain["tokens"]                                                # lossless
     # kvshot's plain greedy of the same weights in fp32 gives the same text as the engine
     from models.decoding import greedy_generate
     mine = [greedy_generate(served["target"], torch.tensor(p), NEW_TOKENS).tokens for p in served["prompts"]]
     assert mine == plain["tokens"]
     lines = []
-    for name, res in (("speculators", spec), ("eagle3", eagle)):
+    for name, res in (("speculators", spec),):
         c = res["counters"]
         assert c["drafts"] and c["draft_tokens"] == K * c["drafts"] and c["accepted_per_pos"] is not None
         assert len(c["accepted_per_pos"]) == K and sum(c["accepted_per_pos"]) == c["accepted_tokens"]
