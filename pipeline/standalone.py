@@ -26,12 +26,18 @@ def fingerprint_trials(trials: list[Trial], paths: Paths) -> None:
 
 def single_trial(cfg: Config, study: str = ADHOC) -> Trial:
     """The one trial of a resolved config (`kvshot train`), named like a sweep trial of its variant."""
-    values = {"drafter.depth": cfg.drafter.depth}
-    if cfg.drafter.variant == "kv_only":
-        values.update({"drafter.injection": cfg.drafter.injection, "drafter.rope_fix": cfg.drafter.rope_fix})
-    if cfg.drafter.variant in ("hybrid", "cross_only"):
-        values["drafter.init"] = cfg.drafter.init
-    name = trial_name(cfg.drafter.variant, values, list(values))
+    d = cfg.drafter
+    values = {"drafter.depth": d.depth}
+    if d.variant == "kv_only":
+        values.update({"drafter.injection": d.injection, "drafter.rope_fix": d.rope_fix})
+    if d.variant in ("hybrid", "cross_only"):
+        values["drafter.init"] = d.init
+    if d.variant == "block":
+        values.update({"drafter.context": d.context, "drafter.block_size": d.block_size})
+    # a control or an EAGLE-3.1 is another drafter than the plain variant: its name says so (one run dir each)
+    values.update({f"drafter.{k}": True for k in ("no_target", "token_context", "fc_norm", "norm_output")
+                   if getattr(d, k)})
+    name = trial_name(d.variant, values, list(values))
     trial = Trial(name=name, study=study, values=values, config=cfg)
     if needs_parent(cfg):
         if cfg.train.parent:

@@ -758,3 +758,20 @@ def test_replay_of_measured_trial_times_waits_for_parents_and_fills_the_slots():
     assert replay(trials, took, 2) == 600.0 + 900.0 + 900.0
     assert replay(trials, took, 6) == 600.0 + 900.0
     assert replay([by["eagle3-small"]], took, 2) == 600.0
+
+
+def test_kvshot_train_names_a_control_or_an_eagle3_1_apart_from_its_plain_variant():
+    """One run directory per drafter: `kvshot train` of a control is not written over the KV-only drafter of its
+    shape (nor EAGLE-3.1 over EAGLE-3, nor one block context over another)."""
+    from pipeline.standalone import single_trial
+
+    def name(*over: str) -> str:
+        return single_trial(load_config("smoke", list(over))).name
+
+    plain = name("variant=kv_only", "depth=2")
+    control = name("variant=kv_only", "depth=2", "no_target=true")
+    with_context = name("variant=kv_only", "depth=2", "no_target=true", "token_context=true")
+    assert len({plain, control, with_context}) == 3 and with_context.endswith("no_target-token_context")
+    assert name("variant=eagle3") == "eagle3-d1"
+    assert name("variant=eagle3", "fc_norm=true", "norm_output=true") == "eagle3.1-d1"
+    assert name("variant=block", "context=kv") != name("variant=block", "context=hidden")
