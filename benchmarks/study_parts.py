@@ -19,7 +19,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from pipeline.budget import replayed_parts  # noqa: E402
 from pipeline.config import load_config  # noqa: E402
-from stages.report import study_key  # noqa: E402
+from stages.report_provenance import study_key  # noqa: E402
 
 
 def main() -> None:

@@ -186,7 +186,7 @@ def e2e(overrides: Optional[list[str]] = OverridesArg, profile: Optional[str] = 
     def timed_as() -> str:
         """Timed per study (e2e:scale), a part under its filter's key (e2e:scale --only KEY=V), so the decodings
         of a study run in parts add up like its sweeps."""
-        from stages.report import study_key
+        from stages.report_provenance import study_key
         return study_key("e2e", "+".join(sorted(studies)), wanted) if studies else "e2e"
     _guarded(body, timed_as)
 
@@ -380,8 +380,8 @@ def sweep(overrides: Optional[list[str]] = OverridesArg, profile: Optional[str] 
 
     def timed_as() -> str:
         """A part (--part, --only) is timed under its filter's key, so parts run in one workspace add up
-        (stages.report)."""
-        from stages.report import study_key
+        (stages.report_provenance)."""
+        from stages.report_provenance import study_key
         return study_key("sweep", study or "adhoc", wanted)
     _guarded(body, timed_as)
 

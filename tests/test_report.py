@@ -337,7 +337,7 @@ def test_e2e_check_note_says_what_lossless_means_in_bf16():
 def test_continued_from_a_parent_on_other_settings_is_compared_with_that_parent(tmp_path):
     """`train.parent`: the large children start from the small scale's EAGLE-3. The hybrid is compared with
     EAGLE-3 continued of its own schedule, and continued with the small EAGLE-3 it started from."""
-    from stages.report import baseline_for
+    from stages.baselines import baseline_for
 
     parent = {"scale": "small", "epochs": 1.5}
     specs = [("eagle3-small", dict(variant="eagle3"), 0.40, 0.30, {}),
@@ -416,7 +416,7 @@ def test_settings_on_the_same_seeds_are_paired_by_seed():
 
 
 def test_a_study_run_in_parts_sums_its_parts_times_and_machines():
-    from stages.report import study_entries, study_time
+    from stages.report_provenance import study_entries, study_time
 
     times = {"sweep:scale --only train.scale=small": 600.0, "sweep:scale --only train.scale=large": 900.0,
              "sweep:scalex": 5.0, "sweep:block": 100.0, "e2e:scale": 60.0}

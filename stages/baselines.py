@@ -1,0 +1,75 @@
+"""Who each drafter is compared with, and the difference from it: the report's compute-matched baselines.
+
+A drafter initialised from a trained EAGLE-3 (the hybrid and cross-only from its checkpoint, EAGLE-3 continued)
+has had more training than one trained from scratch, so it is compared with EAGLE-3 continued for the same
+schedule, never with the EAGLE-3 it started from; everything else with the EAGLE-3 trained from scratch on the
+same data (DESIGN §8). The report's tables (`stages.report`) show the difference this module computes.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+from stages.findings import like_with_like
+from stages.results import Setting
+
+
+def same_data(a: Setting, b: Setting) -> bool:
+    """Trained on the same data scale with the same other swept settings."""
+    return a.fields.get("scale") == b.fields.get("scale") and a.extra == b.extra
+
+
+def measured_eagle3(x: Setting, continued: bool) -> bool:
+    """A measured EAGLE-3 setting (not EAGLE-3.1), continued or trained from scratch."""
+    f = x.fields
+    return bool(x.n) and f.get("variant") == "eagle3" and (f.get("init") == "continued") == continued \
+        and not f.get("fc_norm") and not f.get("norm_output")
+
+
+def baseline_for(s: Setting, settings: list[Setting]) -> Setting | None:
+    """The compute-matched baseline of a setting: EAGLE-3 continued for a checkpoint-initialised drafter (and the
+    EAGLE-3 it continues for EAGLE-3 continued itself), the EAGLE-3 trained from scratch for the rest."""
+    f = s.fields
+    plain = [x for x in settings if measured_eagle3(x, continued=False) and same_data(s, x)]
+    continued = [x for x in settings if measured_eagle3(x, continued=True) and same_data(s, x)]
+    if f.get("variant") == "eagle3" and not (f.get("init") == "continued" or f.get("fc_norm") or f.get("norm_output")):
+        return None
+    if f.get("variant") in ("hybrid", "cross_only") and f.get("init") == "ckpt":
+        return continued[0] if continued else None
+    parent = s.extra.get("train.parent") if isinstance(s.extra.get("train.parent"), dict) else None
+    if f.get("init") == "continued" and parent:
+        return parent_eagle3(s, parent, settings)
+    return plain[0] if plain else None
+
+
+def parent_eagle3(s: Setting, parent: dict, settings: list[Setting]) -> Setting | None:
+    """The EAGLE-3 that EAGLE-3 continued started from when `train.parent` gave it other train settings (the small
+    scale's, say): the plain EAGLE-3 of the parent's scale whose other swept settings are the parent's or none."""
+    scale = parent.get("scale", s.fields.get("scale"))
+    own = {f"train.{k}": v for k, v in parent.items() if k != "scale"}
+    found = [x for x in settings if measured_eagle3(x, continued=False) and x.fields.get("scale") == scale
+             and x.extra in ({}, own)]
+    return found[0] if found else None
+
+
+@dataclass(frozen=True)
+class Difference:
+    """A setting's metric minus its baseline's, with the interval of the paired bootstrap."""
+    baseline: Setting                 # as compared: a one-seed setting's is its own seed's
+    value: float
+    interval: tuple[float, float]     # NaN, NaN without per-conversation counts
+
+
+def difference(s: Setting, base: Setting, metric: str, level: float) -> Difference:
+    """`metric` of `s` minus that of its baseline `base`, like with like (one seed: against its own seed's
+    baseline), the interval over the same resamples of both."""
+    from models.stats import interval
+
+    s, base = like_with_like(s, base)
+    diff = s.value(metric) - base.value(metric)
+    a, b = s.resampled(metric), base.resampled(metric)
+    ci = interval(a - b, level) if a is not None and b is not None else (math.nan, math.nan)
+    return Difference(base, diff, ci)
+
+
+__all__ = ["Difference", "baseline_for", "difference", "measured_eagle3", "parent_eagle3", "same_data"]
