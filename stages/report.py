@@ -406,7 +406,9 @@ def _introduction(params: ReportParams) -> list[str]:
             "never mixed: **step accuracy** acc_k (unconditional, teacher-forced: the paper's α_k, so the paper's "
             f"columns, marked **{PAPER_LABEL}**, sit beside it) and **chain acceptance** α_k (conditional on every "
             "earlier step, stopping where the data leaves the target's greedy path: what tree decoding sees). The "
-            "paper's target and data scale differ from ours: compare shapes and orderings, not absolute values.", ""]
+            "paper's target and data scale differ from ours: compare shapes and orderings, not absolute values. "
+            "Every term (acc_k, chain α_k, step MAT, τ, tree, compute-matched, fingerprint, part, verdict) is "
+            "defined in the repository's glossary, `docs/glossary.md`.", ""]
 
 
 def _findings_section(params: ReportParams, verdicts: list[Verdict], demo_steps: float | None) -> list[str]:
