@@ -483,6 +483,28 @@ def repro(profile: Optional[str] = ProfileOpt,
     _guarded(body)
 
 
+@app.command("plan")
+def plan_cmd(profile: Optional[str] = ProfileOpt, root: Path = RootOpt,
+             out: Optional[Path] = typer.Option(None, "--out", help="Write the plan as JSON to this file.")):
+    """Every trial of the profile's studies with its role, parent, parts and end-to-end decoding (--out: JSON)."""
+    def body():
+        from collections import Counter
+
+        from pipeline.plan_file import plan_file
+        from stages.common import write_text_atomic
+
+        planned = plan_file(load_config(profile, [], root=root.resolve()))
+        for study in dict.fromkeys(t.study for t in planned.trials):
+            trials = planned.of_study(study)
+            roles = ", ".join(f"{n} {role}" for role, n in Counter(t.role for t in trials).items())
+            parts = sorted({p for t in trials for p in t.parts})
+            print(f"{study}: {len(trials)} trials ({roles})" + (f"; parts {', '.join(parts)}" if parts else ""))
+        if out is not None:
+            write_text_atomic(out, planned.model_dump_json(indent=1) + "\n")
+            print(f"wrote {out}")
+    _guarded(body)
+
+
 @app.command()
 def keys(pattern: Optional[str] = typer.Argument(None, help="Show only the keys that contain this text."),
          profile: Optional[str] = ProfileOpt, root: Path = RootOpt):
