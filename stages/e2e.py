@@ -152,8 +152,9 @@ def run(params: E2EParams, run_dirs, paths: Paths, report: Report, *, target: Ta
         loaded_target: Any = None, **_: Any) -> list[dict]:
     """Decode with every drafter in `run_dirs`; writes metrics/e2e.json and returns its rows.
 
-    Trees are tuned first (on prompts of their own, `split_prompts`); then every method decodes prompt by prompt, one method after
-    another on the same prompt, so that a drift of the machine's speed during the run reaches every row alike.
+    Trees are tuned first (on prompts of their own, `split_prompts`); then every method decodes prompt by prompt,
+    one method after another on the same prompt, so that a drift of the machine's speed during the run reaches every
+    row alike.
     """
     import torch
 
