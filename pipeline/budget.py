@@ -103,6 +103,15 @@ def estimated_seconds(trials: list[Trial], rows: list[dict], cfg: Config) -> dic
     return out
 
 
+def _rows(path: Path) -> list[dict]:
+    """A study's metrics rows ([] when the file is missing or not a JSON list)."""
+    try:
+        rows = json.loads(path.read_text()) if path.is_file() else []
+    except json.JSONDecodeError:
+        rows = []
+    return [r for r in rows if isinstance(r, dict)] if isinstance(rows, list) else []
+
+
 def replayed_parts(cfg: Config, stepwise: Path) -> dict[str, dict]:
     """Per part `STUDY/PART` (a study without parts is one, `STUDY/(whole)`): its trial count, whether the study
     decodes some of them end to end and, when every trial has a measured row in `stepwise/STUDY.json`, the seconds
@@ -110,13 +119,9 @@ def replayed_parts(cfg: Config, stepwise: Path) -> dict[str, dict]:
     estimated from the paces of its drafter setting's rows (`estimated_seconds`), the replay with those estimates
     (`estimated_s`, naming the estimated trials in `estimated`)."""
     out: dict[str, dict] = {}
-    for study in cfg.studies:
-        path = Path(stepwise) / f"{study}.json"
-        try:
-            rows = json.loads(path.read_text()) if path.is_file() else []
-        except json.JSONDecodeError:
-            rows = []
-        rows = [r for r in rows if isinstance(r, dict)] if isinstance(rows, list) else []
+    by_study = {study: _rows(Path(stepwise) / f"{study}.json") for study in cfg.studies}
+    everywhere = [r for rows in by_study.values() for r in rows]
+    for study, rows in by_study.items():
         trials = plan(cfg, study=study)
         for name, part in (check_parts(trials, cfg, study) or {WHOLE: trials}).items():
             took = measured_seconds(part, rows)
@@ -127,6 +132,10 @@ def replayed_parts(cfg: Config, stepwise: Path) -> dict[str, dict]:
                 continue
             got["missing"] = missing
             guess = estimated_seconds([t for t in part if t.name in missing], rows, cfg)
+            # a study without rows of a setting (one that only sweeps, say, the learning rate of another study's
+            # drafters) is paced by the rows of that setting in the profile's other studies
+            guess.update(estimated_seconds([t for t in part if t.name in missing and t.name not in guess],
+                                           everywhere, cfg))
             if len(guess) == len(missing):
                 got.update(estimated=missing,
                            estimated_s=round(replay(part, {**took, **guess}, cfg.ray.max_concurrent), 1))

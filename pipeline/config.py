@@ -52,6 +52,10 @@ class StudyParams(Section):
     # come along): what `kvshot repro --part STUDY/PART` runs from a fresh workspace, and the unit a study's wall
     # time budget is stated for when the whole study is too long to run in one go; together they cover the plan
     parts: dict[str, dict[str, list[Any]]] = {}
+    # evaluate on N conversations carved out of the training pool beyond each trial's data scale instead of the
+    # eval split (stages/validation.py): a study that chooses a setting, e.g. a learning rate, on data the verdicts
+    # are not measured on; None: the eval split
+    validation: int | None = Field(None, ge=1)
 
     @field_validator("parts")
     @classmethod

@@ -15,6 +15,7 @@ from typing import Any
 
 from pipeline.config import Config, ConfigError, resolve_key, with_values
 from pipeline.trial import CKPT_CHILDREN, CONTINUED, Trial, is_continued, needs_parent
+from stages import validation
 
 ADHOC = "adhoc"
 VARIANT = "drafter.variant"
@@ -179,9 +180,13 @@ def plan(cfg: Config, axes: dict[str, list[Any]] | None = None, study: str | Non
     grid, includes = _study_axes(cfg, study, outer, fixed)
     name = study or ADHOC
     resolved = _resolve(base, _combos(outer, grid, includes), name)
+    if study is not None and study in cfg.studies and cfg.studies[study].validation:
+        resolved = _on_validation(resolved, cfg.studies[study].validation, name)
     _check_parents(resolved, name)
     parents_by_key = _add_parents(resolved, name)
     _add_controls(resolved, parents_by_key, name)
+    if study is not None and study in cfg.studies and cfg.studies[study].validation:
+        resolved[:] = _on_validation(resolved, cfg.studies[study].validation, name)
     return _trials(resolved, parents_by_key, name)
 
 
@@ -234,6 +239,25 @@ def _resolve(base: Config, combos: list[dict[str, Any]], name: str) -> Resolved:
                 values = {**values, INIT: CONTINUED}     # named as such even when set for the whole sweep
             resolved.append((values, trial_cfg))
     return resolved
+
+
+def _on_validation(resolved: Resolved, size: int, name: str) -> Resolved:
+    """Every trial evaluated on the validation set of `size` conversations beyond its own data scale
+    (stages/validation.py) instead of the eval split. Applied again once parents and controls are added: a parent
+    trained at another scale (`train.parent`) is evaluated beyond its own."""
+    out = []
+    for values, trial_cfg in resolved:
+        if trial_cfg.eval.data and validation.parse(trial_cfg.eval.data) is None:
+            raise ConfigError(f"study {name}: both `validation` and eval.data={trial_cfg.eval.data} say what to "
+                              "evaluate on; give one")
+        if size > trial_cfg.eval.max_conversations:
+            raise ConfigError(f"study {name}: validation={size} conversations, but eval.max_conversations="
+                              f"{trial_cfg.eval.max_conversations} would evaluate fewer; raise it or lower validation")
+        where = validation.relative_path(trial_cfg.train.scale, size)
+        if trial_cfg.eval.data != where:
+            trial_cfg = with_values(trial_cfg, {"eval.data": where}, origin=f"study {name}: validation")
+        out.append((values, trial_cfg))
+    return out
 
 
 def _check_parents(resolved: Resolved, name: str) -> None:

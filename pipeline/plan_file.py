@@ -1,8 +1,8 @@
 """The plan written down once: every trial of a profile's studies, typed and serialised (`kvshot plan`).
 
 One entry per trial and study: its name, the values that set it apart, the resolved config, the trial it is
-initialised from, its role in the experiment, the parts of the study that run it, and whether the study decodes it
-end to end. The roles are what the planner knows and a table of rows does not:
+initialised from, its role in the experiment, the parts of the study that run it, whether the study decodes it
+end to end and what it is evaluated on (the eval split, or a validation set: stages/validation.py). The roles are what the planner knows and a table of rows does not:
 
   * `trial`: a drafter the study compares;
   * `parent`: an EAGLE-3 that checkpoint-initialised drafters load (it is also compared as itself);
@@ -38,6 +38,7 @@ class PlannedTrial(BaseModel):
     role: Role
     parts: list[str]
     e2e: bool
+    evaluated_on: str               # "eval split", or the validation set a study chooses a setting on
     config: dict[str, Any]
 
 
@@ -71,5 +72,6 @@ def plan_file(cfg: Config) -> PlanFile:
             entries.append(PlannedTrial(
                 name=t.name, study=study, variant=t.variant, values=t.values, parent=t.depends_on,
                 role=role_of(t, trials), parts=[name for name, members in parts.items() if t.name in members],
-                e2e=decodes_any(cfg, study, [t]), config=t.config.model_dump(mode="json")))
+                e2e=decodes_any(cfg, study, [t]), evaluated_on=t.config.eval.data or "eval split",
+                config=t.config.model_dump(mode="json")))
     return PlanFile(profile=cfg.profile, trials=entries)

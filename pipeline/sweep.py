@@ -70,6 +70,7 @@ def run_sweep(trials: list[Trial], paths: Paths, trial_fn: TrialFn = run_trial, 
     cfg: Config = trials[0].config
     paths = Paths(root=Path(paths.root).resolve(), cache=getattr(paths, "cache", None))
     start = time.perf_counter()
+    write_validation_sets(trials, paths)
     fingerprint_trials(trials, paths)
 
     rows = _finished_rows(trials, paths)
@@ -106,6 +107,16 @@ def run_sweep(trials: list[Trial], paths: Paths, trial_fn: TrialFn = run_trial, 
         _end_parent_run(tracker, result, time.perf_counter() - start)
     show_summary(result, trials, console)
     return result
+
+
+def write_validation_sets(trials: list[Trial], paths: Paths) -> None:
+    """The validation sets the trials evaluate on (a study with `validation`), written before their fingerprints
+    hash them."""
+    from stages import validation
+
+    wanted = {validation.parse(t.config.eval.data): t.config.data for t in trials}
+    for (scale, size), data in sorted((k, v) for k, v in wanted.items() if k is not None):
+        validation.write(paths, data, scale, size)
 
 
 def _finished_rows(trials: list[Trial], paths: Paths) -> dict[str, dict]:

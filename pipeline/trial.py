@@ -157,8 +157,10 @@ def base_row(trial: Trial) -> dict:
     d, t = trial.config.drafter, trial.config.train
     return {"trial": trial.name, "study": trial.study, "variant": d.variant, "depth": d.depth,
             "injection": d.injection, "rope_fix": d.rope_fix, "init": d.init, "scale": t.scale, "seed": t.seed,
+            "lr": t.lr,
             "values": trial.values, "fingerprint": trial.fingerprint, "code": code_hash(),
             **({"data": trial.data_hashes} if trial.data_hashes else {}),
+            **({"eval_data": trial.config.eval.data} if trial.config.eval.data else {}),
             **({"git_commit": trial.commit} if trial.commit else {})}
 
 
@@ -227,7 +229,10 @@ def evaluate_runs(cfg: Any, run_dirs: list[Path], paths: Paths, report: Report) 
     """Step-wise evaluation of trained run directories (one row each, DESIGN §10)."""
     from stages import evaluate
 
-    return _call(evaluate.run, cfg.eval, run_dirs, paths, report, target=cfg.target, data=cfg.data,
+    params = cfg.eval
+    if params.data and not Path(params.data).is_absolute():   # a worker's cwd need not be the root
+        params = params.model_copy(update={"data": str(Path(paths.root) / params.data)})
+    return _call(evaluate.run, params, run_dirs, paths, report, target=cfg.target, data=cfg.data,
                  features=cfg.features, train=cfg.train)
 
 

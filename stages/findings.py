@@ -424,7 +424,23 @@ def claim_b(studies: dict, e2e: list[E2EGroup] | None, level: float) -> Verdict:
             evidence += (f"; τ at the paper's tree {fmt(a.point['tau'], 2)} vs {fmt(b.point['tau'], 2)}: difference "
                          f"{fmt(a.point['tau'] - b.point['tau'], 2)} {fmt_ci(*ci, 2, signed=True)} ({seeds}); "
                          f"speedup at that tree {fmt(a.point['speedup'], 2)}x vs {fmt(b.point['speedup'], 2)}x")
+    evidence += hidden_step0(best_hidden, studies, level)
     return Verdict("B", CLAIMS["B"], combine(*verdicts), evidence)
+
+
+def hidden_step0(hidden: Setting, studies: dict, level: float) -> str:
+    """How the hidden-context block arm's acc_0 stands against the no-target control (which it must reach: it
+    has all of the control's information and the target's) and EAGLE-3 (the same information, read autoregressively;
+    at step 0 neither drafts from its own tokens, so the two step accuracies are one quantity)."""
+    out = []
+    ctrl = control(studies, no_target)
+    eagle = next((s for s in _ok(studies.get("block")) if plain_eagle3(s)), None) or kv_and_eagle(studies)[2]
+    for other, what in ((ctrl, "the no-target control"), (eagle, "EAGLE-3")):
+        if other is not None:
+            c = contrast(hidden, other, "acc_0", level)
+            diff = f"{c.diff:+.3f}" if math.isfinite(c.diff) else "–"
+            out.append(f"{what} {fmt(other.value('acc_0'))}: {diff} {fmt_ci(*c.ci, signed=True)}")
+    return f"; step 0 of the hidden block arm {fmt(hidden.value('acc_0'))} against " + ", ".join(out) if out else ""
 
 
 def findings(studies: dict, e2e: list[E2EGroup] | None, scales: list[str], much_smaller_ratio: float = 0.5,

@@ -35,6 +35,7 @@ from stages.findings import MISSING, Verdict, findings, fmt_ci
 from stages.report_cells import PAPER_LABEL, cell, md_table, paper_cell, paper_row, tree_text
 from stages.report_figures import FigureDir, plot_e2e, plot_retention, plot_steps
 from stages.report_provenance import not_run_yet, parts_provenance, provenance_table, study_provenance
+from stages.report_validation import is_validation, validation_section
 from stages.results import (LOOKUP_KIND, PAPER_TREE, E2EGroup, Results, Setting, collect, label, read_rows,
                             scale_order, sort_key, variant_name)
 from stages.sections import ReportParams  # noqa: F401 (re-exported: the stage's own section)
@@ -366,6 +367,7 @@ class Inputs:
     papers: dict                                  # stages/paper_numbers.yaml: the paper's tables and their source
     res: Results
     studies: dict[str, list[Setting] | None]      # None: the study's metrics file is missing
+    validation: dict[str, list[Setting]]          # studies evaluated on a validation set (not in `studies`)
     e2e: list[E2EGroup]
     scales: list[str]                             # data scales, smallest first
     code: str | None                              # the code hash most of the report's trials were computed by
@@ -391,8 +393,9 @@ def read_inputs(params: ReportParams, context: dict, paths: Paths) -> Inputs:
     scales = scale_order(context, [r for rows in res.raw.values() for r in rows or []] + (res.e2e_rows or []))
     studies = {n: sorted(s, key=lambda x: sort_key(x.fields, scales, x.extra)) if s is not None else None
                for n, s in res.studies.items()}
+    validation = {n: studies.pop(n) or [] for n in list(studies) if is_validation(res.raw.get(n))}
     e2e = sorted(res.e2e or [], key=lambda g: sort_key(g.fields, scales))
-    return Inputs(params, context, paths, papers, res, studies, e2e, scales, main_code(studies),
+    return Inputs(params, context, paths, papers, res, studies, validation, e2e, scales, main_code(studies),
                   FigureDir(paths.reports / "figures"))
 
 
@@ -540,7 +543,7 @@ def _problems_section(inp: Inputs) -> list[str]:
     problems = [[n, "–", "–", "missing", f"no {paths.stepwise_metrics(n).relative_to(paths.root)}"]
                 for n in res.names if res.raw[n] is None]
     for n in res.names:
-        for s in inp.studies[n] or []:
+        for s in inp.studies.get(n) or inp.validation.get(n) or []:
             problems += [[n, str(r.get("trial")), label(s), "failed", str(r["error"]).splitlines()[0][:200]]
                          for r in sorted(s.failed, key=lambda r: str(r.get("trial")))]
     problems += not_run_yet(inp.context, {n for n in res.names if res.raw[n] is not None})
@@ -592,7 +595,9 @@ def run(params: ReportParams, context: dict, paths: Paths, report: Report) -> No
     demo_steps = demonstration_steps(params, inp.studies)
     md = _introduction(params) + _findings_section(params, verdicts, demo_steps)
     for name in inp.res.names:
-        md += _study_section(inp, name)
+        md += _study_section(inp, name) if name not in inp.validation else \
+            validation_section(name, inp.validation[name], inp.res.raw[name] or [],
+                               {n: inp.res.raw[n] for n in inp.studies}, params.level)
     md += _engines_section(inp) + _retention_section(inp) + _problems_section(inp) + _provenance_section(inp)
     inp.figures.remove_stale()
     write_text_atomic(paths.reports / "README.md", "\n".join(md))

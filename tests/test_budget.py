@@ -73,3 +73,14 @@ def test_a_control_without_rows_is_paced_like_the_drafter_of_its_shape_that_read
     assert deep["estimated_s"] == 3000.0                    # two slots: the control beside its drafter
     (tmp_path / "depth.json").write_text(json.dumps([row("kv_only", depth=2, wall=3000.0, train_steps=960)]))
     assert "estimated_s" not in replayed_parts(cfg, tmp_path)["depth/seed0-deep"]
+
+
+def test_a_study_without_rows_is_paced_by_its_settings_rows_in_other_studies(tmp_path):
+    """block_lr sweeps the learning rate of the block study's drafters: before it ran, its trials are estimated at
+    the block rows' seconds per step (a learning rate changes no step's cost)."""
+    cfg = load_config("study")
+    block = [row("block", depth=2, context=c, wall=3000.0, train_steps=1000) for c in ("hidden", "kv", "both")]
+    (tmp_path / "block.json").write_text(json.dumps(block))
+    got = replayed_parts(cfg, tmp_path)["block_lr/lr-hidden"]
+    assert sorted(got["estimated"]) == sorted(got["missing"]) and len(got["missing"]) == 3
+    assert got["estimated_s"] > 0

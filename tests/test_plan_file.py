@@ -47,6 +47,11 @@ def test_roles_are_the_planners():
     assert list(injection.values()).count("no-target control") == 1
     assert {e.name for e in planned.of_study("block") if e.e2e} == {
         e.name for e in planned.of_study("block") if e.variant == "block" and e.config["train"]["seed"] == 0}
+    # the block arms' learning rates are chosen on a validation set, every other study is measured on the eval split
+    lr = planned.of_study("block_lr")
+    assert {e.config["train"]["lr"] for e in lr} == {0.0003, 0.001, 0.003} and len(lr) == 9
+    assert {e.evaluated_on for e in lr} == {"data/validation/small-200.jsonl"}
+    assert {e.evaluated_on for e in planned.trials if e.study != "block_lr"} == {"eval split"}
 
 
 def test_kvshot_plan_writes_the_json(tmp_path):

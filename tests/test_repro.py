@@ -179,7 +179,7 @@ def test_a_part_of_a_study_runs_in_one_go_from_a_fresh_workspace(tmp_path):
 
 # The module(s) each DVC stage runs.
 STAGE_ENTRIES = {"prepare": ["stages.prepare"], "regenerate": ["stages.regenerate"], "features": ["stages.features"],
-                 "study": ["stages.train", "stages.evaluate"], "e2e": ["stages.e2e"], "report": ["stages.report"]}
+                 "study": ["stages.train", "stages.evaluate", "stages.validation"], "e2e": ["stages.e2e"], "report": ["stages.report"]}
 # Docstring-only package markers, and evaluate's import of the report's number formatting (findings.fmt, which
 # imports results): it prints a number and changes none of a trial's.
 NOT_CODE = {"models/__init__.py", "stages/__init__.py"}

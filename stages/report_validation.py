@@ -1,0 +1,118 @@
+"""The report's section for a study that chooses a setting on a validation set, not on the eval split.
+
+A study with `validation: N` (stages/validation.py) evaluates its trials on training conversations beyond their
+data scale; its rows name that file (`eval_data`). Its settings are grouped into *arms* (a setting without the
+values the study sweeps on top of the setting columns, e.g. `train.lr`); each arm's best value is the one with the
+highest validation step MAT (block drafters run free, so step MAT is what the block comparison decides on; for
+an autoregressive drafter it is the sum of its teacher-forced step accuracies). The section shows every value's
+step MAT and acc_0 with intervals, the best one with its paired difference from the runner-up, and for each arm
+the learning rate the eval-split studies trained it at (a row's `lr`), flagged where that is not the best.
+Validation studies are kept out of the findings: their rows are not measured on the eval split.
+"""
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import replace
+from typing import Any
+
+from stages.findings import contrast, fmt_ci
+from stages.report_cells import cell, md_table
+from stages.results import SETTING_DEFAULTS, Setting, label
+
+METRIC = "step_mat"
+
+
+def is_validation(rows: list[dict] | None) -> bool:
+    """A study whose rows were all evaluated on a validation set."""
+    return bool(rows) and all(r.get("eval_data") for r in rows)
+
+
+def _arm_key(s: Setting) -> str:
+    return json.dumps(s.fields, sort_keys=True, default=str)
+
+
+def arms(settings: list[Setting]) -> dict[str, list[Setting]]:
+    """The settings grouped by everything but the swept extra values, in display order."""
+    out: dict[str, list[Setting]] = {}
+    for s in settings:
+        out.setdefault(_arm_key(s), []).append(s)
+    return out
+
+
+def _arm_label(s: Setting) -> str:
+    """The arm's name: the setting's label without the swept values."""
+    return label(replace(s, extra={}))
+
+
+def _swept(s: Setting) -> str:
+    return ", ".join(f"{k.rsplit('.', 1)[-1]} {v}" for k, v in s.extra.items()) or "(profile's)"
+
+
+def best(group: list[Setting]) -> Setting | None:
+    scored = [s for s in group if math.isfinite(s.value(METRIC))]
+    return max(scored, key=lambda s: s.value(METRIC)) if scored else None
+
+
+def trained_lrs(rows_by_study: dict[str, list[dict] | None], arm: Setting) -> dict[float, list[str]]:
+    """The learning rates the eval-split studies trained `arm`'s setting at (rows of its setting columns that
+    record `lr`), with the studies that did."""
+    found: dict[float, list[str]] = {}
+    for study, rows in rows_by_study.items():
+        for r in rows or []:
+            if r.get("eval_data") or r.get("status", "ok") != "ok" or not isinstance(r.get("lr"), (int, float)):
+                continue
+            if all((r.get(k) if r.get(k) is not None else d) == arm.fields.get(k, d)
+                   for k, d in SETTING_DEFAULTS.items()):
+                found.setdefault(float(r["lr"]), [])
+                if study not in found[float(r["lr"])]:
+                    found[float(r["lr"])].append(study)
+    return found
+
+
+def _lr_of(s: Setting) -> Any:
+    return next((v for k, v in s.extra.items() if k.endswith("train.lr") or k == "lr"), None)
+
+
+def validation_section(name: str, settings: list[Setting], rows: list[dict], others: dict[str, list[dict] | None],
+                       level: float) -> list[str]:
+    """The validation study `name`: one table row per setting, then per arm its best value and how the eval-split
+    studies use it."""
+    where = sorted({str(r.get("eval_data")) for r in rows})
+    md = [f"## Validation: {name}", "",
+          f"Evaluated on `{'`, `'.join(where)}`: training conversations beyond each trial's data scale (none trained "
+          "on, no first prompt shared with the scale's training conversations, never the eval split). Each arm's "
+          f"best value is the one with the highest step MAT; the findings do not read these rows.", ""]
+    table, notes = [], []
+    for group in arms(settings).values():
+        top = best(group) if len(group) > 1 else None    # one value: nothing chosen
+        for s in group:
+            table.append({"arm": _arm_label(s), "swept": _swept(s), "seeds": s.n, "step MAT": cell(s, METRIC, level),
+                          "acc_0": cell(s, "acc_0", level), "best": "**best**" if s is top else ""})
+        if top is None:
+            continue
+        rest = [s for s in group if s is not top and math.isfinite(s.value(METRIC))]
+        text = f"- **{_arm_label(top)}**: best at {_swept(top)}"
+        if rest:
+            runner = max(rest, key=lambda s: s.value(METRIC))
+            c = contrast(top, runner, METRIC, level)
+            text += f" (over {_swept(runner)}: {c.diff:+.3f} {fmt_ci(*c.ci, signed=True)}, {c.seeds})"
+        used = trained_lrs(others, top)
+        lr = _lr_of(top)
+        if used and lr is not None:
+            parts = [f"{v:g} ({', '.join(st)})" for v, st in sorted(used.items())]
+            off = [v for v in used if not math.isclose(v, float(lr), rel_tol=1e-9)]
+            text += (f"; the eval-split studies train it at lr {'; '.join(parts)}"
+                     + (f": **not the validation's best ({float(lr):g})**" if off else ": the validation's best"))
+        elif lr is not None:
+            text += "; no eval-split study has rows of this arm with their learning rate yet"
+        notes.append(text)
+    if table:
+        import pandas as pd
+
+        md += [md_table(pd.DataFrame(table)), ""]
+    md += notes + ([""] if notes else [])
+    return md
+
+
+__all__ = ["arms", "best", "is_validation", "trained_lrs", "validation_section"]
