@@ -3,19 +3,17 @@ summary. Tables print at their natural width when the output is not a terminal, 
 """
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from rich.console import Console
 from rich.table import Table
 
 from pipeline.cost import estimated_cost, plan_estimate, replay, schedule_order
 from pipeline.plan import ADHOC, VARIANT, lookup, varying_keys
+from pipeline.result import SweepResult
 from pipeline.standalone import fingerprint_trials
 from pipeline.trial import Trial, cached_result, finished_elsewhere
 from stages.common import Paths, duration, filter_text
-
-if TYPE_CHECKING:
-    from pipeline.sweep import SweepResult
 
 
 def _short(key: str) -> str:

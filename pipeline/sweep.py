@@ -20,7 +20,6 @@ metrics/stepwise/<study>.json, the others finish, and the result's exit code is 
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -31,30 +30,10 @@ from pipeline.console import show_summary
 from pipeline.executor import ray_session, run_trials, trial_slots
 from pipeline.forward import Forward
 from pipeline.plan import varying_keys, waves
+from pipeline.result import SweepResult
 from pipeline.standalone import fingerprint_trials
 from pipeline.trial import Trial, TrialFn, adopt_finished, cached_result, failed_row, json_safe, run_trial
 from stages.common import Paths, write_json_atomic
-
-
-@dataclass
-class SweepResult:
-    """What a sweep did: one row per planned trial (plan order), and which trials ran, were skipped, failed."""
-
-    study: str
-    rows: list[dict]
-    ran: list[str] = field(default_factory=list)
-    skipped: list[str] = field(default_factory=list)
-    failed_names: list[str] = field(default_factory=list)
-    metrics_path: Path | None = None
-    parent_run_id: str | None = None
-
-    @property
-    def failed(self) -> int:
-        return len(self.failed_names)
-
-    @property
-    def exit_code(self) -> int:
-        return 1 if self.failed_names else 0
 
 
 def run_sweep(trials: list[Trial], paths: Paths, trial_fn: TrialFn = run_trial, console: Console | None = None,
