@@ -2,8 +2,9 @@
 
 A drafter initialised from a trained EAGLE-3 (the hybrid and cross-only from its checkpoint, EAGLE-3 continued)
 has had more training than one trained from scratch, so it is compared with EAGLE-3 continued for the same
-schedule, never with the EAGLE-3 it started from; everything else with the EAGLE-3 trained from scratch on the
-same data (DESIGN §8). The report's tables (`stages.report`) show the difference this module computes.
+schedule, never with the EAGLE-3 it started from; a block drafter reading the KV with the hidden-context block
+drafter of its shape (block drafters run free, autoregressive ones are teacher-forced: their step accuracies are
+never one comparison); everything else with the EAGLE-3 trained from scratch on the same data (DESIGN §8). The report's tables (`stages.report`) show the difference this module computes.
 """
 from __future__ import annotations
 
@@ -28,8 +29,12 @@ def measured_eagle3(x: Setting, continued: bool) -> bool:
 
 def baseline_for(s: Setting, settings: list[Setting]) -> Setting | None:
     """The compute-matched baseline of a setting: EAGLE-3 continued for a checkpoint-initialised drafter (and the
-    EAGLE-3 it continues for EAGLE-3 continued itself), the EAGLE-3 trained from scratch for the rest."""
+    EAGLE-3 it continues for EAGLE-3 continued itself), the hidden-context block drafter of its shape for a block
+    drafter reading the KV (a block drafter runs free: its step accuracy is never compared with a teacher-forced
+    one), the EAGLE-3 trained from scratch for the rest."""
     f = s.fields
+    if f.get("variant") == "block":
+        return block_baseline(s, settings)
     plain = [x for x in settings if measured_eagle3(x, continued=False) and same_data(s, x)]
     continued = [x for x in settings if measured_eagle3(x, continued=True) and same_data(s, x)]
     if f.get("variant") == "eagle3" and not (f.get("init") == "continued" or f.get("fc_norm") or f.get("norm_output")):
@@ -40,6 +45,19 @@ def baseline_for(s: Setting, settings: list[Setting]) -> Setting | None:
     if f.get("init") == "continued" and parent:
         return parent_eagle3(s, parent, settings)
     return plain[0] if plain else None
+
+
+def _context(x: Setting) -> str:
+    return x.fields.get("context") or "hidden"
+
+
+def block_baseline(s: Setting, settings: list[Setting]) -> Setting | None:
+    """The hidden-context block drafter of the same depth, block size and data (None for that drafter itself)."""
+    if _context(s) == "hidden":
+        return None
+    found = [x for x in settings if x.n and x.fields.get("variant") == "block" and _context(x) == "hidden"
+             and all(x.fields.get(k) == s.fields.get(k) for k in ("depth", "block_size")) and same_data(s, x)]
+    return found[0] if found else None
 
 
 def parent_eagle3(s: Setting, parent: dict, settings: list[Setting]) -> Setting | None:
@@ -72,4 +90,4 @@ def difference(s: Setting, base: Setting, metric: str, level: float) -> Differen
     return Difference(base, diff, ci)
 
 
-__all__ = ["Difference", "baseline_for", "difference", "measured_eagle3", "parent_eagle3", "same_data"]
+__all__ = ["Difference", "baseline_for", "block_baseline", "difference", "measured_eagle3", "parent_eagle3", "same_data"]

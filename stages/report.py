@@ -56,7 +56,9 @@ def _vs_cell(s: Setting, base: Setting | None, metric: str, level: float) -> str
         return "–"
     d = difference(s, base, metric, level)
     one = " (seed " + d.baseline.seed_labels[0] + ")" if d.baseline.n == 1 and d.baseline.seed_labels else ""
-    return f"{variant_name(d.baseline.fields)}{one}: {d.value:+.3f} {fmt_ci(*d.interval, signed=True)}"
+    f = d.baseline.fields
+    name = f"block, {f.get('context') or 'hidden'} context" if f.get("variant") == "block" else variant_name(f)
+    return f"{name}{one}: {d.value:+.3f} {fmt_ci(*d.interval, signed=True)}"
 
 
 # -- the study tables ------------------------------------------------------------------------------------------

@@ -538,3 +538,26 @@ def test_rows_computed_by_other_code_are_marked(tmp_path):
     assert "‡: computed by other code than the rest of this report (code hash bbbbbbbbbbbb against aaaaaaaaaaaa)" in hyb
     assert "‡" not in section(text, "Depth study")
     assert table_row(section(text, "Provenance"), "hybrid")[3] == "aaaaaaaaaaaa, bbbbbbbbbbbb"
+
+
+def test_a_block_drafter_is_compared_with_the_hidden_block_arm_never_with_eagle3(tmp_path):
+    """Free-running block step accuracy and teacher-forced autoregressive step accuracy are never one comparison:
+    the KV-reading block arms' baseline is the hidden-context block arm of their shape, which itself has none."""
+    from stages.baselines import baseline_for
+
+    block = dict(variant="block", depth=2, block_size=8)
+    specs = [("eagle3", dict(variant="eagle3"), 0.40, 0.30), ("block-hidden", dict(block, context="hidden"), 0.3, 0.1),
+             ("block-kv", dict(block, context="kv"), 0.35, 0.1), ("block-both", dict(block, context="both"), 0.33, 0.1)]
+    fx.write(tmp_path / "metrics", {"block": [fx.row("block", stem, f, a0, a6, 0, 1) for stem, f, a0, a6 in specs]},
+             None)
+    settings = collect({"studies": ["block"]}, Paths(tmp_path), draws=200).studies["block"]
+    by = {s.trials[0]: s for s in settings}
+    assert baseline_for(by["block-kv"], settings) is by["block-hidden"]
+    assert baseline_for(by["block-both"], settings) is by["block-hidden"]
+    assert baseline_for(by["block-hidden"], settings) is None
+    run(FAST, {"studies": ["block"]}, Paths(tmp_path), lambda m, step=None: None)
+    text = section((tmp_path / "reports" / "README.md").read_text(), "Block study")
+    kv = table_row(text.split("End to end")[0], "block, 2 layers, kv context, B=8")
+    assert any(c.startswith("block, hidden context (seed 0): +") for c in kv)
+    assert not any("EAGLE-3" in c for c in kv)
+    assert table_row(text.split("End to end")[0], "block, 2 layers, hidden context, B=8")[-1] == "–"
