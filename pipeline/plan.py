@@ -310,7 +310,49 @@ def _trials(resolved: Resolved, parents_by_key: dict[str, int], name: str) -> li
     for t in trials:
         if needs_parent(t.config):
             t.depends_on = trials[parents_by_key[_parent_key(t.config)]].name
+    for t in trials:
+        t.baseline = baseline_of(t, trials)
     return sorted(trials, key=lambda t: t.depends_on is not None)
+
+
+def _training(cfg: Config) -> str:
+    """Everything but the drafter: two trials with the same are trained on the same data, schedule and seed."""
+    tree = cfg.model_dump()
+    return json.dumps({k: tree[k] for k in ("target", "data", "regenerate", "features", "train", "eval")},
+                      sort_keys=True, default=str)
+
+
+def _plain_eagle3(cfg: Config) -> bool:
+    d = cfg.drafter
+    return d.variant == "eagle3" and not is_continued(cfg) and not d.fc_norm and not d.norm_output
+
+
+def _hidden_block(cfg: Config) -> bool:
+    return cfg.drafter.variant == "block" and (cfg.drafter.context or "hidden") == "hidden"
+
+
+def baseline_of(t: Trial, trials: list[Trial]) -> str | None:
+    """The trial `t` is compared with (DESIGN §8): a checkpoint-initialised drafter with EAGLE-3 continued for its
+    schedule (its compute-matched control); EAGLE-3 continued with the EAGLE-3 it continues; a block drafter reading
+    the KV with the hidden-context block drafter of its shape (block drafters run free, autoregressive ones are
+    teacher-forced: never one comparison); every other drafter but the plain EAGLE-3 and the hidden block arm
+    with the plain EAGLE-3 trained on the same data, schedule and seed. None where the plan holds no such trial."""
+    cfg, d = t.config, t.config.drafter
+    if is_continued(cfg):
+        return t.depends_on
+    if _plain_eagle3(cfg) or _hidden_block(cfg):
+        return None
+    if d.variant == "block":
+        def match(o: Config) -> bool:
+            return _hidden_block(o) and (o.drafter.depth, o.drafter.block_size) == (d.depth, d.block_size) \
+                and _training(o) == _training(cfg)
+    elif d.variant in CKPT_CHILDREN and d.init == "ckpt":
+        def match(o: Config) -> bool:
+            return is_continued(o) and eagle3_key(o) == eagle3_key(cfg)
+    else:
+        def match(o: Config) -> bool:
+            return _plain_eagle3(o) and _training(o) == _training(cfg)
+    return next((o.name for o in trials if o is not t and match(o.config)), None)
 
 
 def waves(trials: list[Trial], finished: set[str] | frozenset = frozenset()) -> list[list[Trial]]:

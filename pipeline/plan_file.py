@@ -1,7 +1,7 @@
 """The plan written down once: every trial of a profile's studies, typed and serialised (`kvshot plan`).
 
 One entry per trial and study: its name, the values that set it apart, the resolved config, the trial it is
-initialised from, its role in the experiment, the parts of the study that run it, whether the study decodes it
+initialised from, the trial it is compared with (its baseline, which its metrics row names too), its role in the experiment, the parts of the study that run it, whether the study decodes it
 end to end and what it is evaluated on (the eval split, or a validation set: stages/validation.py). The roles are what the planner knows and a table of rows does not:
 
   * `trial`: a drafter the study compares;
@@ -11,9 +11,10 @@ end to end and what it is evaluated on (the eval split, or a validation set: sta
   * `control with context`: the no-target control that reads the prefix's own token embeddings.
 
 A trial planned by several studies appears once per study (it is trained once and adopted by fingerprint).
-Fingerprints are left out: they hash the data, which exist only in a workspace after the data stages. The report,
-the budget and the e2e selection still derive their view from the planner and the rows; this file is the
-serialised form they are to read (DESIGN §8).
+Fingerprints are left out: they hash the data, which exist only in a workspace after the data stages. The budget
+and the e2e selection ask the planner; the report reads each row's baseline, which the planner named (rows from
+before that are read by the same rules, `stages.baselines`); this file is the serialised form of the plan
+(DESIGN §8).
 """
 from __future__ import annotations
 
@@ -35,6 +36,7 @@ class PlannedTrial(BaseModel):
     variant: str
     values: dict[str, Any]
     parent: str | None
+    baseline: str | None            # the trial it is compared with (`pipeline.plan.baseline_of`)
     role: Role
     parts: list[str]
     e2e: bool
@@ -71,6 +73,7 @@ def plan_file(cfg: Config) -> PlanFile:
         for t in trials:
             entries.append(PlannedTrial(
                 name=t.name, study=study, variant=t.variant, values=t.values, parent=t.depends_on,
+                baseline=t.baseline,
                 role=role_of(t, trials), parts=[name for name, members in parts.items() if t.name in members],
                 e2e=decodes_any(cfg, study, [t]), evaluated_on=t.config.eval.data or "eval split",
                 config=t.config.model_dump(mode="json")))

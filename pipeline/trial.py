@@ -36,6 +36,7 @@ class Trial:
     values: dict[str, Any]
     config: Any                               # pipeline.config.Config (kept untyped: no import cycle)
     depends_on: str | None = None             # the eagle3 trial a ckpt-initialised child loads
+    baseline: str | None = None               # the trial it is compared with (pipeline.plan.baseline_of)
     fingerprint: str = ""                     # set by the runner before the trial starts
     data_hashes: dict[str, str] = field(default_factory=dict)
     commit: str = ""                          # the code it is trained with (set by the runner; kept in its row)
@@ -112,7 +113,9 @@ def adopt_finished(trial: Trial, paths: Paths) -> dict | None:
     tmp = target_dir.with_name(f".{target_dir.name}.adopting")
     shutil.rmtree(tmp, ignore_errors=True)
     shutil.copytree(donor, tmp, copy_function=_link_or_copy)
+    row = {k: v for k, v in row.items() if k != "baseline"}      # the donor's, named in its own study
     row = {**row, "trial": trial.name, "study": trial.study, "values": trial.values,
+           **({"baseline": trial.baseline} if trial.baseline else {}),
            "reused_from": f"{donor.parent.name}/{donor.name}"}
     (tmp / RESULT_FILE).unlink()
     write_json_atomic(tmp / RESULT_FILE, row)
@@ -159,6 +162,7 @@ def base_row(trial: Trial) -> dict:
             "injection": d.injection, "rope_fix": d.rope_fix, "init": d.init, "scale": t.scale, "seed": t.seed,
             "lr": t.lr,
             "values": trial.values, "fingerprint": trial.fingerprint, "code": code_hash(),
+            **({"baseline": trial.baseline} if trial.baseline else {}),
             **({"data": trial.data_hashes} if trial.data_hashes else {}),
             **({"eval_data": trial.config.eval.data} if trial.config.eval.data else {}),
             **({"git_commit": trial.commit} if trial.commit else {})}

@@ -32,6 +32,10 @@ def baseline_for(s: Setting, settings: list[Setting]) -> Setting | None:
     EAGLE-3 it continues for EAGLE-3 continued itself), the hidden-context block drafter of its shape for a block
     drafter reading the KV (a block drafter runs free: its step accuracy is never compared with a teacher-forced
     one), the EAGLE-3 trained from scratch for the rest."""
+    if s.baselines:    # the planner named it: the setting holding those trials
+        named = [x for x in settings if x.n and s.baselines & set(x.trials)]
+        return named[0] if named else None
+    # rows from before rows named their baseline: the same rules, read from the settings
     f = s.fields
     if f.get("variant") == "block":
         return block_baseline(s, settings)

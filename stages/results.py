@@ -105,6 +105,9 @@ class Setting:
     trial_seeds: list[Any] = field(default_factory=list)      # the seed of each trial, in `trials` order
     resampler: "Resampler | None" = field(default=None, repr=False)
     codes: list[str] = field(default_factory=list)            # the code hashes its rows were computed by
+    # the trials its rows name as their baseline (the planner's, `pipeline.plan.baseline_of`); empty for rows
+    # written before rows named one
+    baselines: frozenset[str] = frozenset()
 
     @property
     def n(self) -> int:
@@ -215,8 +218,9 @@ def build_setting(study: str, group: pd.DataFrame) -> Setting:
     by_trial = dict(zip(group["trial"], group["seed"]))
     trials = sorted(group["trial"])
     codes = sorted({str(c) for c in ok["code"] if c})
+    named = frozenset(str(r["baseline"]) for r in group["row"] if isinstance(r, dict) and r.get("baseline"))
     return Setting(study, fields, json.loads(first["extra"]), trials, len(rows), failed, point,
-                   counts, None, commits, [by_trial[t] for t in trials], codes=codes)
+                   counts, None, commits, [by_trial[t] for t in trials], codes=codes, baselines=named)
 
 
 class Resampler:

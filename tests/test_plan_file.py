@@ -63,3 +63,55 @@ def test_kvshot_plan_writes_the_json(tmp_path):
     data = json.loads(out.read_text())
     assert data["profile"] == "smoke" and data["trials"] == json.loads(plan_file(load_config("smoke"))
                                                                        .model_dump_json())["trials"]
+
+
+def test_the_planner_names_each_trials_baseline():
+    planned = plan_file(load_config("study"))
+    base = {(e.study, e.name): e.baseline for e in planned.trials}
+    assert base["block", "block-kv-d2"] == base["block", "block-both-d2"] == "block-hidden-d2"
+    assert base["block", "block-hidden-d2"] is None and base["block", "eagle3"] is None
+    assert base["hybrid", "hybrid-ckpt-s1"] == "eagle3-continued-s1" and base["hybrid", "eagle3-continued"] == "eagle3"
+    assert base["depth", "kv_only-d4-s3"] == "eagle3-s3" and base["block", "eagle3.1"] == "eagle3"
+    assert base["scale", "eagle3-large-epochs1-from_small_epochs1.5-continued"] == "eagle3-small"
+
+
+def _rows_of(trials) -> list[dict]:
+    """A metrics row per planned trial, its setting columns as evaluate writes them, naming its baseline."""
+    sys.path.insert(0, str(ROOT / "tests" / "fixtures" / "report"))
+    import make_fixtures as fx
+
+    rows = []
+    for t in trials:
+        d, tr = t.config.drafter, t.config.train
+        fields = {"variant": d.variant, "depth": d.depth, "injection": d.injection, "rope_fix": d.rope_fix,
+                  "init": d.init, "scale": tr.scale,
+                  **{k: True for k in ("fc_norm", "norm_output", "no_target", "token_context") if getattr(d, k)},
+                  **({"block_size": d.block_size, "context": d.context} if d.variant == "block" else {})}
+        r = fx.row(t.study, t.name, fields, 0.4, 0.3, tr.seed, 1)
+        r.update(trial=t.name, values=t.values, **({"baseline": t.baseline} if t.baseline else {}))
+        rows.append(r)
+    return rows
+
+
+@pytest.mark.parametrize("study", sorted(load_config("study").studies))
+def test_the_reports_baselines_are_the_planners(tmp_path, study):
+    """The report compares each setting with the setting holding the trials the planner named, and the rules it
+    reads rows from before rows named one give the same settings."""
+    from dataclasses import replace
+
+    from stages.baselines import baseline_for
+    from stages.common import Paths
+    from stages.results import collect
+
+    trials = plan(load_config("study"), study=study)
+    (tmp_path / "metrics" / "stepwise").mkdir(parents=True)
+    (tmp_path / "metrics" / "stepwise" / f"{study}.json").write_text(json.dumps(_rows_of(trials)))
+    settings = collect({"studies": [study]}, Paths(tmp_path), draws=100).studies[study]
+    compared = 0
+    for s in settings:
+        named, guessed = baseline_for(s, settings), baseline_for(replace(s, baselines=frozenset()), settings)
+        assert named is guessed, f"{study}: {s.trials} compared with {named and named.trials}, " \
+                                 f"by the rules with {guessed and guessed.trials}"
+        compared += named is not None
+    assert compared >= 1 and all(s.baselines == {t.baseline for t in trials if t.name in s.trials} - {None}
+                                 for s in settings)
