@@ -69,7 +69,8 @@ def build_drafter(target: Target, checkpoint: str | None, variant: str):
 
         drafter, config = load_drafter(Path(checkpoint), target)
         return drafter, f"{drafter.config.variant}({Path(checkpoint).name})"
-    from models.drafter import DrafterConfig, build_drafter as build_module
+    from models.build import build_drafter as build_module
+    from models.drafter_config import DrafterConfig
 
     torch.manual_seed(0)
     drafter = build_module(DrafterConfig.from_target(target, variant=variant, draft_vocab_size=8192))

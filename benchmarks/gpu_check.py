@@ -37,7 +37,8 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 import models.layers  # noqa: E402
-from models.drafter import Drafter, DrafterConfig  # noqa: E402
+from models.drafter import Drafter  # noqa: E402
+from models.drafter_config import DrafterConfig  # noqa: E402
 from models.ttt import ttt_unroll  # noqa: E402
 
 QWEN3_8B = dict(hidden_size=4096, num_heads=32, num_kv_heads=8, head_dim=128, intermediate_size=12288,

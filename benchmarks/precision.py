@@ -25,7 +25,8 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from benchmarks.train import SMOLLM2, as_fp32, autocast, chat_batch, chat_lengths  # noqa: E402
-from models.drafter import DrafterConfig, build_drafter  # noqa: E402
+from models.build import build_drafter  # noqa: E402
+from models.drafter_config import DrafterConfig  # noqa: E402
 from models.target import load_target  # noqa: E402
 from models.ttt import ttt_unroll  # noqa: E402
 from stages.common import native_bf16  # noqa: E402

@@ -14,7 +14,8 @@ import torch
 
 from models.target import load_target
 from stages.common import Paths, TargetParams
-from stages.regenerate import RegenerateParams, TransformersBackend, regenerate_rows
+from stages.regenerate import regenerate_rows
+from stages.regenerate_backends import RegenerateParams, TransformersBackend
 from stages.prepare import sample_conversations
 
 ROOT = Path(__file__).resolve().parent.parent

@@ -33,7 +33,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from benchmarks.anchor import AnchorEagle3  # noqa: E402
 from models.block import block_unroll, sample_anchors  # noqa: E402
-from models.drafter import Drafter, DrafterConfig, build_drafter  # noqa: E402
+from models.build import build_drafter  # noqa: E402
+from models.drafter import Drafter  # noqa: E402
+from models.drafter_config import DrafterConfig  # noqa: E402
 from models.ttt import ttt_unroll  # noqa: E402
 from stages.common import native_bf16  # noqa: E402
 

@@ -48,7 +48,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from models.drafter import DraftModel, DrafterConfig, Injection, _compute_dtype
+from models.drafter import DraftModel, Injection, _compute_dtype
+from models.drafter_config import DrafterConfig
 from models.layers import MLP, KeyBlock, RMSNorm, attend, attend_block, expand_heads, head_map
 from models.rope import apply_rope
 from models.ttt import (TTTOutput, _inverse, _shift, check_inputs, layout, require_teacher, score_teacher_rows,

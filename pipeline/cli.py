@@ -272,6 +272,7 @@ def export_cmd(run_dir: Path = typer.Argument(..., help="A finished run director
     """Export a trained EAGLE-3 drafter to a serving engine's format (with a README card)."""
     def body():
         from stages import export as stage
+        from stages import export_verifier
         from stages.common import Paths, StageError
 
         if verifier and save_verifier:
@@ -282,8 +283,8 @@ def export_cmd(run_dir: Path = typer.Argument(..., help="A finished run director
         paths = Paths(root=root.resolve(), cache=Path(cache) if cache else None)
         config = stage.check_run(run_dir, fmt, dtype, out, force)   # bad input fails before the target is read
         params = stage.run_target(config, run_dir)
-        target = stage.save_verifier(params, paths, save_verifier) if save_verifier else \
-            stage.load_verifier(params, paths, verifier)
+        target = export_verifier.save_verifier(params, paths, save_verifier) if save_verifier else \
+            export_verifier.load_verifier(params, paths, verifier)
         done = stage.export(run_dir, fmt, out, target, dtype=dtype, overwrite=force,
                             num_speculative_tokens=speculative_tokens)
         for line in done.warnings:

@@ -23,7 +23,7 @@ from stages.common import Section, TargetParams
 from stages.e2e import E2EParams
 from stages.features import FeaturesParams
 from stages.prepare import DataParams
-from stages.regenerate import RegenerateParams
+from stages.regenerate_backends import RegenerateParams
 from stages.sections import DrafterParams, EvalParams, ReportParams, TrainParams
 
 ROOT = Path(__file__).resolve().parent.parent

@@ -1,8 +1,10 @@
 """The plan written down once: every trial of a profile's studies, typed and serialised (`kvshot plan`).
 
 One entry per trial and study: its name, the values that set it apart, the resolved config, the trial it is
-initialised from, the trial it is compared with (its baseline, which its metrics row names too), its role in the experiment, the parts of the study that run it, whether the study decodes it
-end to end and what it is evaluated on (the eval split, or a validation set: stages/validation.py). The roles are what the planner knows and a table of rows does not:
+initialised from, the trial it is compared with (its baseline, which its metrics row names too), its role in the
+experiment, the parts of the study that run it, whether the study decodes it end to end and what it is evaluated
+on (the eval split, or a validation set: stages/validation.py). The roles are what the planner knows and a table
+of rows does not:
 
   * `trial`: a drafter the study compares;
   * `parent`: an EAGLE-3 that checkpoint-initialised drafters load (it is also compared as itself);

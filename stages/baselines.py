@@ -4,7 +4,9 @@ A drafter initialised from a trained EAGLE-3 (the hybrid and cross-only from its
 has had more training than one trained from scratch, so it is compared with EAGLE-3 continued for the same
 schedule, never with the EAGLE-3 it started from; a block drafter reading the KV with the hidden-context block
 drafter of its shape (block drafters run free, autoregressive ones are teacher-forced: their step accuracies are
-never one comparison); everything else with the EAGLE-3 trained from scratch on the same data (DESIGN §8). The report's tables (`stages.report`) show the difference this module computes.
+never one comparison); everything else with the EAGLE-3 trained from scratch on the same data (DESIGN §8). The
+report's tables (`stages.report`) show the difference this module computes; rows that name their baseline (the
+planner's, `pipeline.plan.baseline_of`) are compared with it, older rows by the same rules read from the settings.
 """
 from __future__ import annotations
 
@@ -94,4 +96,5 @@ def difference(s: Setting, base: Setting, metric: str, level: float) -> Differen
     return Difference(base, diff, ci)
 
 
-__all__ = ["Difference", "baseline_for", "block_baseline", "difference", "measured_eagle3", "parent_eagle3", "same_data"]
+__all__ = ["Difference", "baseline_for", "block_baseline", "difference", "measured_eagle3", "parent_eagle3",
+           "same_data"]

@@ -11,8 +11,9 @@ A checkpoint directory is filled under a temporary name and renamed into place, 
 after that; a kill at any moment leaves the previous checkpoint readable.
 
 A directory written by `kvshot export` (either engine format, see `stages.export`) is accepted wherever a trained
-run directory is (`is_trained`, `trained_run_dirs`, `load_drafter`): the drafter is rebuilt from the engine fields. Optimizer and scheduler states
-hold Python scalars next to tensors, so they go through `torch.save` and come back with `weights_only=True`.
+run directory is (`is_trained`, `trained_run_dirs`, `load_drafter`): the drafter is rebuilt from the engine fields.
+The final model's files are `stages.run_files`'s. Optimizer and scheduler states hold Python scalars next to
+tensors, so they go through `torch.save` and come back with `weights_only=True`.
 """
 from __future__ import annotations
 
@@ -27,62 +28,15 @@ from typing import Any
 import torch
 from safetensors.torch import load_file, save_file
 
-from stages.common import StageError, atomic_path, write_json_atomic, write_text_atomic
+from stages.common import StageError, write_text_atomic
+# the run directory's final files (their own module: the export writes and reads them too)
+from stages.run_files import (CONFIG_FILE, FROZEN, MODEL_FILE, contiguous, load_run, load_tensors,  # noqa: F401
+                              save_run, save_tensors)
 
-CONFIG_FILE = "config.json"
-MODEL_FILE = "model.safetensors"
 CHECKPOINT_DIR = "checkpoint"
 LATEST_FILE = "latest"
 KEEP_CHECKPOINTS = 1   # older complete checkpoints are removed once a newer one is in place
 # The drafter's token embedding is the target's, frozen: it is not saved, `load_drafter` copies it back in.
-FROZEN = ("embed_tokens.weight",)
-
-
-def _contiguous(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    # safetensors refuses shared or strided storage (tied weights, views); drafter weights are small to copy
-    return {k: v.detach().contiguous().clone() for k, v in tensors.items()}
-
-
-def save_tensors(path: Path, tensors: dict[str, torch.Tensor], metadata: dict[str, str] | None = None) -> None:
-    """Write a safetensors file atomically."""
-    with atomic_path(Path(path)) as tmp:
-        save_file(_contiguous(tensors), str(tmp), metadata=metadata)
-
-
-def load_tensors(path: Path) -> dict[str, torch.Tensor]:
-    path = Path(path)
-    if not path.is_file():
-        raise StageError(f"{path}: no such file")
-    try:
-        return load_file(str(path))
-    except Exception as exc:  # noqa: BLE001 - a damaged file is one line for the user, whatever the parser says
-        raise StageError(f"{path}: not a readable safetensors file ({type(exc).__name__})") from None
-
-
-# -- the final model ---------------------------------------------------------------------------------------------
-
-def save_run(run_dir: Path, config: dict[str, Any], weights: dict[str, torch.Tensor]) -> None:
-    """Write model.safetensors, then config.json: config.json present means the model beside it is complete."""
-    run_dir = Path(run_dir)
-    save_tensors(run_dir / MODEL_FILE, weights, metadata={"format": "pt"})
-    write_json_atomic(run_dir / CONFIG_FILE, config)
-
-
-def load_run(run_dir: Path) -> tuple[dict[str, Any], dict[str, torch.Tensor]]:
-    """(config, weights) of a trained run directory; a missing or unfinished run is a one-line StageError."""
-    run_dir = Path(run_dir)
-    if not run_dir.is_dir():
-        raise StageError(f"run directory {run_dir}: does not exist")
-    cfg_file, model_file = run_dir / CONFIG_FILE, run_dir / MODEL_FILE
-    if not cfg_file.is_file() or not model_file.is_file():
-        raise StageError(f"run directory {run_dir}: no trained drafter in it ({CONFIG_FILE} or {MODEL_FILE} missing)")
-    try:
-        config = json.loads(cfg_file.read_text())
-    except json.JSONDecodeError as exc:
-        raise StageError(f"{cfg_file}: not valid JSON ({exc.msg})") from None
-    return config, load_tensors(model_file)
-
-
 def is_trained(run_dir: Path) -> bool:
     """A trained drafter is there: a finished run's config.json + model.safetensors, or an export (same files)."""
     run_dir = Path(run_dir)
@@ -131,7 +85,8 @@ def load_drafter(run_dir: Path, target) -> tuple[Any, dict[str, Any]]:
     Returns (drafter in eval mode on the target's device, the run's config.json; for an export a config of the
     same shape, see `stages.export.read_export`).
     """
-    from models.drafter import DrafterConfig, build_drafter
+    from models.build import build_drafter
+    from models.drafter_config import DrafterConfig
     from stages.export import export_format, read_export
 
     if export_format(run_dir) is not None:
@@ -191,7 +146,7 @@ def save_checkpoint(run_dir: Path, state: TrainState) -> Path:
     final = root / name
     tmp = Path(tempfile.mkdtemp(dir=root, prefix=f".{name}.tmp-"))
     try:
-        save_file(_contiguous(state.model), str(tmp / MODEL_FILE))
+        save_file(contiguous(state.model), str(tmp / MODEL_FILE))
         torch.save(state.optimizer, tmp / "optimizer.pt")
         torch.save(state.scheduler, tmp / "scheduler.pt")
         torch.save(state.rng, tmp / "rng.pt")

@@ -11,7 +11,8 @@ they import. DECODE_CODE adds the e2e stage, which decodes trained drafters (wit
 a serving engine): its rows carry
 `code_hash(DECODE_CODE)`, and a change of the decoding loop reruns the decoding, not the training. Left out on
 purpose:
-  * the data stages' own modules (prepare, sources): their outputs are hashed as data, content by content;
+  * the data stages' own modules (prepare, sources, regenerate with its resume files and eval choice, validation):
+    their outputs are hashed as data, content by content;
   * the report's modules (report, results, findings): they read metrics and change no trial's numbers (evaluate
     imports `findings.fmt` only to print a number);
   * pipeline/: which trials run and where their results are tracked, not what a trial computes;
@@ -31,10 +32,14 @@ TRIAL_CODE: tuple[str, ...] = (
     "stages/common.py",          # target loading, paths, shared helpers
     "stages/features.py",        # target features, offline (the cache) and online (inside training)
     "stages/feature_cache.py",
-    "stages/regenerate.py",      # the chat tokenisation features and training read conversations with
+    "stages/regenerate_backends.py",  # load_tokenizer: the chat tokenisation features and training use
     "stages/train.py",
     "stages/checkpoint.py",      # how a trained drafter is saved and rebuilt
-    "stages/export.py",          # checkpoint reads exported drafters through it
+    "stages/run_files.py",       # a drafter's files, which checkpoint and export read and write
+    "stages/export.py",          # checkpoint reads exported drafters through it (with the three below)
+    "stages/export_verifier.py",
+    "stages/export_mapping.py",
+    "stages/export_card.py",
     "stages/evaluate.py",
 )
 DECODE_CODE: tuple[str, ...] = (

@@ -14,7 +14,7 @@ near-tie (top-2 logit gap <= tie_tolerance).
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any, Callable, Literal
 
 from pydantic import Field, field_validator
 
@@ -158,34 +158,65 @@ def run(params: E2EParams, run_dirs, paths: Paths, report: Report, *, target: Ta
     """
     import torch
 
-    from models.decoding import (DrafterProposer, LookupProposer, TreeSpec, greedy_generate,
-                                 prompt_lookup_generate, speculative_generate)
-    from models.decoding.block_proposer import BlockProposer
-    from models.quant import quantize_linears_int8
+    from models.decoding import greedy_generate
     from stages import checkpoint as ckpt
     from stages.common import StageProgress
 
     run_dirs = ckpt.trained_run_dirs(
         run_dirs, "e2e: no trained drafters (train a study marked e2e, or set e2e.checkpoints=[RUN_DIR])")
-    paper = TreeSpec.of(params.paper_tree)
-    candidates = [TreeSpec.of(t) for t in params.tree_candidates]
-    block_candidates = [TreeSpec.of(t) for t in params.block_tree_candidates]
     tgt = loaded_target or load_target_for(target.model_copy(update={"dtype": params.dtype}), paths)
     eos = tgt.tokenizer.eos_token_id if tgt.tokenizer is not None else None
     tune_texts, texts, apart = split_prompts(load_prompts(params, paths), params.num_prompts)
     tune_prompts, prompts = ([torch.tensor(tgt.chat_ids([{"role": "user", "content": t}], add_generation_prompt=True))
                               for t in group] for group in (tune_texts, texts))
-    n_new, exact_required, tol = params.max_new_tokens, params.dtype == "float32", params.tie_tolerance
-    lookups = [0] + ([params.lookup_tokens] if params.lookup_tokens else [])
+    methods = baseline_methods(tgt, params, eos)
+    greedy_generate(tgt, prompts[0], 4, eos_token_id=eos)              # warm-up
+    with StageProgress() as bar:
+        plan, settings = tune_drafters(run_dirs, tgt, params, eos, tune_prompts, methods, paths.root, bar)
+        results: dict[str, list] = {name: [] for name in methods}
+        task = bar.add_task("e2e decode", total=len(prompts) * len(methods), unit="decodes")
+        for p in prompts:
+            for name, decode in methods.items():
+                results[name].append(decode(p))
+                bar.advance(task)
 
-    def drafted(drafter, spec: TreeSpec, lookup: int):
-        def decode(p):
-            inner = BlockProposer(drafter, tgt) if drafter.config.variant == "block" else DrafterProposer(drafter, tgt)
-            proposer = LookupProposer(inner, lookup, params.lookup_ngram) if lookup else inner
-            return speculative_generate(tgt, p, n_new, proposer, spec, eos_token_id=eos)
-        return decode
+    tally = {name: _tally(out, results["greedy"], params.tie_tolerance, params.dtype == "float32")
+             for name, out in results.items()}
+    baselines = baseline_fields(tally, params)
+    report({"baseline_tokens_per_s": tally["greedy"]["tokens_per_s"], **baselines})
+    rows: list[dict] = []
+    for name, setting, kind, spec, lookup in plan:
+        row = {**setting, "tree": spec.as_list(), "tree_kind": kind, "lookup_tokens": lookup, **tally[name],
+               **baselines, "status": "ok", "dtype": params.dtype, "drafter_weights": params.drafter_weights,
+               "num_prompts": len(prompts), "tuned_on": "held-out prompts" if apart else "measured prompts",
+               "max_new_tokens": params.max_new_tokens, "tie_tolerance": params.tie_tolerance,
+               "code": code_hash(patterns=DECODE_CODE)}
+        rows.append(row)
+        report({f"{row['trial']}/{kind}/{key}": float(row[key]) for key in   # one MLflow series per drafter
+                ("tau", "tokens_per_s", "speedup", "draft_time_share", "exact_match", "lossless")})
+    write_json_atomic(paths.e2e_metrics, rows)
+    serve_with_engines(params, run_dirs, [settings[i] for i in range(len(run_dirs))], prompts, tgt, target, paths,
+                       report)
+    return rows
 
-    # every method: name -> decode(prompt); plain greedy first (the reference of every other)
+
+def drafted(tgt, params: E2EParams, eos: int | None, drafter, spec, lookup: int) -> Callable:
+    """decode(prompt) with `drafter` proposing `spec`'s tree (and, with `lookup`, an n-gram branch beside it)."""
+    from models.decoding import DrafterProposer, LookupProposer, speculative_generate
+    from models.decoding.block_proposer import BlockProposer
+
+    def decode(p):
+        inner = BlockProposer(drafter, tgt) if drafter.config.variant == "block" else DrafterProposer(drafter, tgt)
+        proposer = LookupProposer(inner, lookup, params.lookup_ngram) if lookup else inner
+        return speculative_generate(tgt, p, params.max_new_tokens, proposer, spec, eos_token_id=eos)
+    return decode
+
+
+def baseline_methods(tgt, params: E2EParams, eos: int | None) -> dict[str, Callable]:
+    """Every method without a drafter: name -> decode(prompt); plain greedy first (the reference of every other)."""
+    from models.decoding import LookupProposer, greedy_generate, prompt_lookup_generate, speculative_generate
+
+    n_new = params.max_new_tokens
     methods = {"greedy": lambda p: greedy_generate(tgt, p, n_new, eos_token_id=eos, keep_logits=True),
                "spec_off": lambda p: speculative_generate(tgt, p, n_new, eos_token_id=eos)}
     if params.prompt_lookup:
@@ -194,49 +225,58 @@ def run(params: E2EParams, run_dirs, paths: Paths, report: Report, *, target: Ta
         methods["lookup_loop"] = lambda p: speculative_generate(
             tgt, p, n_new, LookupProposer(None, params.lookup_tokens, params.lookup_ngram), [0, 1, 1],
             eos_token_id=eos)
-    greedy_generate(tgt, prompts[0], 4, eos_token_id=eos)              # warm-up
+    return methods
 
-    plan: list[tuple[str, dict, str, TreeSpec, int]] = []               # (method, setting, tree kind, tree, lookup)
+
+def tune_drafters(run_dirs: list[Path], tgt, params: E2EParams, eos: int | None, tune_prompts: list,
+                  methods: dict[str, Callable], root: Path, bar) -> tuple[list[tuple], dict[int, dict]]:
+    """Load every drafter, pick its fastest candidate tree on `tune_prompts` and add its methods (tuned, paper's
+    tree) to `methods`; returns the plan [(method, setting, tree kind, tree, lookup)] and each drafter's row
+    fields."""
+    from models.decoding import TreeSpec
+    from models.quant import quantize_linears_int8
+    from stages import checkpoint as ckpt
+
+    paper = TreeSpec.of(params.paper_tree)
+    candidates = [TreeSpec.of(t) for t in params.tree_candidates]
+    block_candidates = [TreeSpec.of(t) for t in params.block_tree_candidates]
+    lookups = [0] + ([params.lookup_tokens] if params.lookup_tokens else [])
+    plan: list[tuple[str, dict, str, Any, int]] = []
+    settings: dict[int, dict] = {}
     k = len(tune_prompts)
-    settings: dict[int, dict] = {}                                      # each drafter's row fields
-    with StageProgress() as bar:
-        # a drafter with one candidate tree has nothing to choose between: it is not decoded to be tuned
-        tunes = sum(n for n in (len(block_candidates) if ckpt.variant_of(r) == "block" else len(candidates)
-                                for r in run_dirs) if n > 1)
-        tune = bar.add_task("e2e tune trees", total=tunes * len(lookups) * k, unit="prompts") if tunes else None
-        for i, run_dir in enumerate(run_dirs):
-            drafter, config = ckpt.load_drafter(run_dir, tgt)
-            if params.drafter_weights == "int8":
-                drafter = quantize_linears_int8(drafter)
-            setting = settings[i] = _setting(run_dir, config, paths.root)
-            own = block_candidates if drafter.config.variant == "block" else candidates
-            for lookup in lookups:
-                if not own:
-                    continue
-                if len(own) == 1:
-                    best = own[0]
-                else:
-                    speed = []
-                    for spec in own:
-                        out = [drafted(drafter, spec, lookup)(p) for p in tune_prompts]
-                        speed.append(sum(len(r.tokens) for r in out) / sum(r.seconds for r in out))
-                        bar.advance(tune, k)
-                    best = own[max(range(len(own)), key=speed.__getitem__)]
-                kind = "tuned_lookup" if lookup else "tuned"
-                plan.append((f"{i}:{kind}", setting, kind, best, lookup))
-                methods[plan[-1][0]] = drafted(drafter, best, lookup)
-            plan.append((f"{i}:paper", setting, "paper", paper, 0))
-            methods[plan[-1][0]] = drafted(drafter, paper, 0)
+    # a drafter with one candidate tree has nothing to choose between: it is not decoded to be tuned
+    tunes = sum(n for n in (len(block_candidates) if ckpt.variant_of(r) == "block" else len(candidates)
+                            for r in run_dirs) if n > 1)
+    tune = bar.add_task("e2e tune trees", total=tunes * len(lookups) * k, unit="prompts") if tunes else None
+    for i, run_dir in enumerate(run_dirs):
+        drafter, config = ckpt.load_drafter(run_dir, tgt)
+        if params.drafter_weights == "int8":
+            drafter = quantize_linears_int8(drafter)
+        setting = settings[i] = _setting(run_dir, config, root)
+        own = block_candidates if drafter.config.variant == "block" else candidates
+        for lookup in lookups:
+            if not own:
+                continue
+            if len(own) == 1:
+                best = own[0]
+            else:
+                speed = []
+                for spec in own:
+                    out = [drafted(tgt, params, eos, drafter, spec, lookup)(p) for p in tune_prompts]
+                    speed.append(sum(len(r.tokens) for r in out) / sum(r.seconds for r in out))
+                    bar.advance(tune, k)
+                best = own[max(range(len(own)), key=speed.__getitem__)]
+            kind = "tuned_lookup" if lookup else "tuned"
+            plan.append((f"{i}:{kind}", setting, kind, best, lookup))
+            methods[plan[-1][0]] = drafted(tgt, params, eos, drafter, best, lookup)
+        plan.append((f"{i}:paper", setting, "paper", paper, 0))
+        methods[plan[-1][0]] = drafted(tgt, params, eos, drafter, paper, 0)
+    return plan, settings
 
-        results: dict[str, list] = {name: [] for name in methods}
-        task = bar.add_task("e2e decode", total=len(prompts) * len(methods), unit="decodes")
-        for p in prompts:
-            for name, decode in methods.items():
-                results[name].append(decode(p))
-                bar.advance(task)
 
-    refs = results["greedy"]
-    tally = {name: _tally(out, refs, tol, exact_required) for name, out in results.items()}
+def baseline_fields(tally: dict[str, dict], params: E2EParams) -> dict[str, Any]:
+    """The baselines' figures every drafter row carries (our loop without speculation, prompt lookup, the lookup
+    loop alone)."""
     baselines = {"spec_off_tokens_per_s": tally["spec_off"]["tokens_per_s"]}
     if params.prompt_lookup:
         pl = tally["prompt_lookup"]
@@ -246,27 +286,22 @@ def run(params: E2EParams, run_dirs, paths: Paths, report: Report, *, target: Ta
         alone = tally["lookup_loop"]
         baselines.update(lookup_loop_speedup=alone["speedup"], lookup_loop_tau=alone["tau"],
                          lookup_loop_lossless=alone["lossless"])
-    report({"baseline_tokens_per_s": tally["greedy"]["tokens_per_s"], **baselines})
+    return baselines
 
-    rows: list[dict] = []
-    for name, setting, kind, spec, lookup in plan:
-        row = {**setting, "tree": spec.as_list(), "tree_kind": kind, "lookup_tokens": lookup, **tally[name],
-               **baselines, "status": "ok", "dtype": params.dtype, "drafter_weights": params.drafter_weights,
-               "num_prompts": len(prompts), "tuned_on": "held-out prompts" if apart else "measured prompts",
-               "max_new_tokens": n_new, "tie_tolerance": tol,
-               "code": code_hash(patterns=DECODE_CODE)}
-        rows.append(row)
-        report({f"{row['trial']}/{kind}/{key}": float(row[key]) for key in   # one MLflow series per drafter
-                ("tau", "tokens_per_s", "speedup", "draft_time_share", "exact_match", "lossless")})
-    write_json_atomic(paths.e2e_metrics, rows)
+
+def serve_with_engines(params: E2EParams, run_dirs: list[Path], settings: list[dict], prompts: list, tgt,
+                       target: TargetParams, paths: Paths, report: Report) -> list[dict]:
+    """The serving engines of `e2e.engines` beside kvshot's loop (`stages.engine`); without one, the stage's
+    engine output is written empty."""
+    from stages.common import StageProgress
+
     engine_rows: list[dict] = []
     if "vllm" in params.engines:
         from stages.engine import run_engines
 
         with StageProgress() as bar:
-            engine_rows = run_engines(params.engine_draft_tokens, run_dirs, [settings[i] for i in range(len(run_dirs))],
-                                      prompts, tgt, target, params.dtype, n_new, paths, bar,
-                                      eager=params.engine_eager)
+            engine_rows = run_engines(params.engine_draft_tokens, run_dirs, settings, prompts, tgt, target,
+                                      params.dtype, params.max_new_tokens, paths, bar, eager=params.engine_eager)
         for row in engine_rows:
             if row["status"] == "ok":
                 report({f"{row['trial']}/vllm-k{row['draft_tokens']}/{key}": float(row[key])
@@ -275,4 +310,4 @@ def run(params: E2EParams, run_dirs, paths: Paths, report: Report, *, target: Ta
         from stages.engine_report import ENGINE_METRICS
 
         write_json_atomic(paths.root / ENGINE_METRICS, engine_rows)     # the stage's output, empty without engines
-    return rows
+    return engine_rows

@@ -2,10 +2,10 @@
 
 For `e2e.engines: [kvshot, vllm]` the e2e stage hands its measured prompts and drafters here. Each drafter vLLM can
 serve (an EAGLE-3 head: `export.EXPORTABLE_VARIANTS`) is exported in the `eagle3` format beside the target saved
-as the weights it was trained against (`export.save_verifier`), and vLLM decodes the prompts greedily one at a time
-(batch 1, as kvshot's loop), plainly and with the drafter at each of `e2e.engine_draft_tokens`. kvshot decodes the
-same prompts with the same drafter as a chain of as many draft tokens (`TreeSpec.chain`) and plainly. Both ignore
-the end-of-sequence token, so every prompt yields `max_new_tokens` in both engines.
+as the weights it was trained against (`export_verifier.save_verifier`), and vLLM decodes the prompts greedily one
+at a time (batch 1, as kvshot's loop), plainly and with the drafter at each of `e2e.engine_draft_tokens`. kvshot
+decodes the same prompts with the same drafter as a chain of as many draft tokens (`TreeSpec.chain`) and plainly.
+Both ignore the end-of-sequence token, so every prompt yields `max_new_tokens` in both engines.
 
 Per drafter and draft length one row (metrics/engine.json): lossless (vLLM's output with the drafter
 token-identical to its own plain greedy), the engine's mean acceptance length and per-position acceptance from its
@@ -99,11 +99,12 @@ def run_engines(draft_tokens: list[int], run_dirs: list[Path], settings: list[di
     from stages import export as ex
     from stages.code_hash import DECODE_CODE, code_hash
     from stages.engine_env import vllm_python
+    from stages.export_verifier import save_verifier
 
     python = vllm_python()
     work = paths.root / "exports"
     work.mkdir(parents=True, exist_ok=True)
-    verifier = ex.save_verifier(target.model_copy(update={"dtype": dtype}), paths, work / f"verifier-{dtype}")
+    verifier = save_verifier(target.model_copy(update={"dtype": dtype}), paths, work / f"verifier-{dtype}")
     prompts_file = work / "engine-prompts.json"
     write_json_atomic(prompts_file, [p.tolist() for p in prompts])
     plain = run_vllm(python, work / f"vllm-plain-{dtype}.json", prompts_file, Path(verifier.name_or_path), n_new,

@@ -364,7 +364,7 @@ def run(params: FeaturesParams, target: TargetParams, data, paths: Paths, report
     """Tokenise, mask and (offline) run the target over the eval split and every scale; write the caches."""
     from rich.console import Console
 
-    from stages.regenerate import load_tokenizer
+    from stages.regenerate_backends import load_tokenizer
 
     console = Console(stderr=True)
     rows = load_regenerated(paths, data)

@@ -251,17 +251,7 @@ def split_and_rank(per_source: dict[str, list[dict]], data: DataParams, stats: d
     A training row from a held-out conversation (another segment of it) is dropped, counted in `stats`; the
     conversations the eval draw passes over (context-free, or their prompt is another conversation's) are counted in
     `skipped` and stay training rows."""
-    orders: dict[str, list[dict]] = {}
-    for name, rows in per_source.items():
-        cap = data.sources[name].max_conversations
-        order = list(rows)
-        random.Random(f"{data.split_seed}:{name}").shuffle(order)
-        if cap is not None:
-            order = order[:cap]
-        if len(order) <= data.eval_size:
-            raise StageError(f"data source {name!r}: {len(order)} clean conversations, not more than "
-                             f"data.eval_size={data.eval_size}; nothing would be left to train on")
-        orders[name] = order
+    orders = {name: _source_order(name, rows, data) for name, rows in per_source.items()}
     # the conversations (of every source) that open with each prompt: two of them means one is trained on
     openers: dict[str, set] = defaultdict(set)
     keys: dict[int, str] = {}
@@ -271,20 +261,7 @@ def split_and_rank(per_source: dict[str, list[dict]], data: DataParams, stats: d
             openers[keys[id(r)]].add((name, conversation_of(r["id"])))
     evals, trains = [], []
     for name, order in orders.items():
-        drawn, passed = [], Counter()
-        for r in order:
-            if len(drawn) == data.eval_candidates:
-                break
-            if keys[id(r)] in CONTEXT_FREE:
-                passed[SKIP_CONTEXT_FREE] += 1
-            elif len(openers[keys[id(r)]]) > 1:
-                passed[SKIP_IN_TRAINING] += 1
-            else:
-                drawn.append(r)
-        if len(drawn) < data.eval_size:
-            raise StageError(f"data source {name!r}: only {len(drawn)} of {len(order):,} conversations open with a "
-                             f"prompt that is neither context-free nor another conversation's; data.eval_size="
-                             f"{data.eval_size} is too many")
+        drawn, passed = _draw_eval(name, order, lambda r: keys[id(r)], openers, data)
         held = {conversation_of(r["id"]) for r in drawn}
         drawn_ids = {id(r) for r in drawn}
         rest = [r for r in order if id(r) not in drawn_ids and conversation_of(r["id"]) not in held]
@@ -295,6 +272,49 @@ def split_and_rank(per_source: dict[str, list[dict]], data: DataParams, stats: d
             skipped[name].update(passed)
         evals += [dict(r, split=EVAL) for r in drawn]
         trains += [dict(r, split="train") for r in rest]
+    _rank(evals, trains, data, list(per_source))
+    out: dict[str, list[dict]] = {name: [] for name in per_source}
+    for row in evals + trains:
+        out[row["source"]].append(row)
+    return out
+
+
+def _source_order(name: str, rows: list[dict], data: DataParams) -> list[dict]:
+    """One source's conversations in their seeded order, capped at its `max_conversations`."""
+    cap = data.sources[name].max_conversations
+    order = list(rows)
+    random.Random(f"{data.split_seed}:{name}").shuffle(order)
+    if cap is not None:
+        order = order[:cap]
+    if len(order) <= data.eval_size:
+        raise StageError(f"data source {name!r}: {len(order)} clean conversations, not more than "
+                         f"data.eval_size={data.eval_size}; nothing would be left to train on")
+    return order
+
+
+def _draw_eval(name: str, order: list[dict], key, openers: dict[str, set], data: DataParams) -> tuple[list, Counter]:
+    """The first `eval_candidates` conversations of `order` whose prompt is neither context-free nor another
+    conversation's, and how many were passed over for each reason."""
+    drawn, passed = [], Counter()
+    for r in order:
+        if len(drawn) == data.eval_candidates:
+            break
+        if key(r) in CONTEXT_FREE:
+            passed[SKIP_CONTEXT_FREE] += 1
+        elif len(openers[key(r)]) > 1:
+            passed[SKIP_IN_TRAINING] += 1
+        else:
+            drawn.append(r)
+    if len(drawn) < data.eval_size:
+        raise StageError(f"data source {name!r}: only {len(drawn)} of {len(order):,} conversations open with a "
+                         f"prompt that is neither context-free nor another conversation's; data.eval_size="
+                         f"{data.eval_size} is too many")
+    return drawn, passed
+
+
+def _rank(evals: list[dict], trains: list[dict], data: DataParams, sources: list[str]) -> None:
+    """One seeded order of the eval candidates and one of the training rows (`scale_rank`, `used`); each source's
+    first `eval_size` candidates are its eval split, the rest its reserve."""
     for group, tag in ((evals, "eval"), (trains, "train")):
         random.Random(f"{data.split_seed}:{tag}").shuffle(group)
         for rank, row in enumerate(group):
@@ -309,12 +329,8 @@ def split_and_rank(per_source: dict[str, list[dict]], data: DataParams, stats: d
     if short:
         s, n = max(short.items(), key=lambda kv: kv[1])
         raise StageError(f"data.scales.{s}={n} asks for more training conversations than the {len(trains):,} "
-                         f"left after cleaning and the eval split (sources: {', '.join(per_source)}); "
+                         f"left after cleaning and the eval split (sources: {', '.join(sources)}); "
                          f"lower the scale or add a source")
-    out: dict[str, list[dict]] = {name: [] for name in per_source}
-    for row in evals + trains:
-        out[row["source"]].append(row)
-    return out
 
 
 def write_jsonl(path, rows: Iterable[dict]) -> int:

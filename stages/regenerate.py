@@ -29,179 +29,18 @@ their own: the new rows are batched as a fresh run over them alone would batch t
 """
 from __future__ import annotations
 
-import hashlib
 import json
 import os
 import time
-import urllib.error
-import urllib.request
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Callable, Literal, Protocol
+from typing import Callable
 
-from pydantic import Field
-
-from stages.common import (Paths, Report, Section, StageError, StageProgress, TargetParams, atomic_path,
-                           read_jsonl)
-
-EVAL = "eval"
-RESERVE = "reserve"             # prepare's spare eval candidates (see stages.prepare)
-OVER_LONG = "prompt over max_prompt_tokens"
-
-
-class RegenerateParams(Section):
-    backend: Literal["transformers", "openai"] = "transformers"
-    servers: list[str] = []                # OpenAI-compatible base URLs (backend=openai)
-    server_model: str | None = None        # model name sent to the server (default: target.source)
-    max_new_tokens: int = Field(128, ge=1)
-    temperature: float = Field(0.0, ge=0.0)
-    top_p: float = Field(1.0, gt=0.0, le=1.0)
-    batch_size: int = Field(8, ge=1)
-    window: int = Field(4, ge=1)           # batches per length-sorted window (the unit a restart recomputes)
-    concurrency: int = Field(8, ge=1)      # in-flight requests per server (backend=openai)
-    workers: int = Field(1, ge=1)          # Ray actors sharing the work (one per GPU at scale)
-    max_prompt_tokens: int = Field(1024, ge=16)
-    request_timeout_s: float = Field(600.0, gt=0)
-    sampling_seed: int = 0
-    original_answers_from: int | None = Field(None, ge=0)  # train rows ranked >= this keep the dataset's answers
-
-
-@dataclass
-class Answer:
-    text: str | None             # None: no answer (see reason)
-    tokens: int = 0              # generated tokens, eos included
-    reason: str | None = None    # why there is no answer
-    cut: bool = False            # stopped at max_new_tokens
-
-
-class Backend(Protocol):
-    def answer(self, histories: list[list[dict]]) -> list[Answer]: ...
-
-
-# -- backends ------------------------------------------------------------------------------------------------------
-
-class TransformersBackend:
-    """The target in this process: length-sorted, left-padded batched `generate`."""
-
-    def __init__(self, target, params: RegenerateParams):
-        from transformers import GenerationConfig
-
-        self.target, self.params = target, params
-        tok = target.tokenizer
-        if tok is None:
-            raise StageError(f"target {target.name!r}: no tokenizer, cannot regenerate")
-        eos = target.model.generation_config.eos_token_id
-        eos = eos if eos is not None else tok.eos_token_id
-        self.eos = set(eos if isinstance(eos, list) else [eos])
-        self.pad = tok.pad_token_id if tok.pad_token_id is not None else min(self.eos)
-        sample = params.temperature > 0
-        self.gen_config = GenerationConfig(
-            max_new_tokens=params.max_new_tokens, do_sample=sample,
-            temperature=params.temperature if sample else None, top_p=params.top_p if sample else None,
-            top_k=None, pad_token_id=self.pad, eos_token_id=sorted(self.eos))
-
-    def too_long(self, history: list[dict]) -> bool:
-        return len(self.target.chat_ids(history, add_generation_prompt=True)) > self.params.max_prompt_tokens
-
-    def answer(self, histories: list[list[dict]]) -> list[Answer]:
-        import torch
-
-        prompts = [self.target.chat_ids(h, add_generation_prompt=True) for h in histories]
-        out: list[Answer | None] = [None] * len(prompts)
-        ok = []
-        for i, ids in enumerate(prompts):
-            if len(ids) > self.params.max_prompt_tokens:
-                out[i] = Answer(None, reason=OVER_LONG)
-            else:
-                ok.append(i)
-        ok.sort(key=lambda i: (len(prompts[i]), i))
-        bs = self.params.batch_size
-        for b in range(0, len(ok), bs):
-            idx = ok[b:b + bs]
-            width = max(len(prompts[i]) for i in idx)
-            ids = torch.full((len(idx), width), self.pad, dtype=torch.long)
-            mask = torch.zeros((len(idx), width), dtype=torch.long)
-            for r, i in enumerate(idx):  # left padding: every prompt ends where generation starts
-                ids[r, width - len(prompts[i]):] = torch.tensor(prompts[i])
-                mask[r, width - len(prompts[i]):] = 1
-            dev = self.target.device
-            with torch.no_grad():
-                gen = self.target.model.generate(input_ids=ids.to(dev), attention_mask=mask.to(dev),
-                                                 generation_config=self.gen_config)
-            for r, i in enumerate(idx):
-                out[i] = self._decode(gen[r, width:].tolist())
-        return out  # type: ignore[return-value]
-
-    def _decode(self, new: list[int]) -> Answer:
-        stop = next((k for k, t in enumerate(new) if t in self.eos), None)
-        body = new if stop is None else new[:stop]
-        text = self.target.tokenizer.decode(body, skip_special_tokens=True).strip()
-        tokens = len(new) if stop is None else stop + 1
-        if not text:
-            return Answer(None, tokens, reason="empty answer")
-        return Answer(text, tokens, cut=stop is None)
-
-
-class OpenAIBackend:
-    """An OpenAI-compatible chat-completions server (vLLM, SGLang, ...): concurrent requests over `servers`."""
-
-    def __init__(self, params: RegenerateParams, model: str, tokenizer=None):
-        if not params.servers:
-            raise StageError("regenerate.backend=openai needs regenerate.servers=[URL, ...]")
-        self.params, self.model, self.tokenizer = params, model, tokenizer
-        self.urls = [s.rstrip("/") + "/chat/completions" for s in params.servers]
-        self.pool = ThreadPoolExecutor(max_workers=params.concurrency * len(self.urls))
-
-    def answer(self, histories: list[list[dict]]) -> list[Answer]:
-        jobs = [self.pool.submit(self._one, h, self.urls[i % len(self.urls)]) for i, h in enumerate(histories)]
-        return [j.result() for j in jobs]
-
-    def too_long(self, history: list[dict]) -> bool:
-        """Over `max_prompt_tokens` by the target's tokenizer; without one the server's own check decides (400)."""
-        if self.tokenizer is None:
-            return False
-        return prompt_tokens(self.tokenizer, history) > self.params.max_prompt_tokens
-
-    def _one(self, history: list[dict], url: str) -> Answer:
-        if self.too_long(history):
-            return Answer(None, reason=OVER_LONG)
-        p = self.params
-        body = {"model": self.model, "messages": history, "max_tokens": p.max_new_tokens,
-                "temperature": p.temperature, "top_p": p.top_p, "seed": p.sampling_seed}
-        data = json.dumps(body).encode()
-        last = ""
-        for attempt in range(4):
-            req = urllib.request.Request(url, data=data, headers={"Content-Type": "application/json"})
-            try:
-                with urllib.request.urlopen(req, timeout=p.request_timeout_s) as resp:
-                    reply = json.loads(resp.read())
-                break
-            except urllib.error.HTTPError as exc:
-                if exc.code == 400:  # the server's own context-length check
-                    return Answer(None, reason="prompt rejected by server (400)")
-                last = f"HTTP {exc.code}"
-            except (urllib.error.URLError, TimeoutError, ConnectionError, json.JSONDecodeError) as exc:
-                last = str(getattr(exc, "reason", exc))
-            time.sleep(0.5 * 2 ** attempt)
-        else:
-            raise StageError(f"regenerate server {url}: no answer after 4 tries ({last})")
-        try:
-            choice = reply["choices"][0]
-            text = (choice["message"].get("content") or "").strip()
-        except (KeyError, IndexError, TypeError, AttributeError):
-            raise StageError(f"regenerate server {url}: reply is not a chat completion: {str(reply)[:120]}") from None
-        tokens = int((reply.get("usage") or {}).get("completion_tokens") or 0)
-        if not text:
-            return Answer(None, tokens, reason="empty answer")
-        return Answer(text, tokens, cut=choice.get("finish_reason") == "length")
-
-
-def prompt_tokens(tokenizer, history: list[dict]) -> int:
-    """Tokens of the prompt that asks for the next answer after `history` (the target's chat template)."""
-    ids = tokenizer.apply_chat_template(history, tokenize=True, add_generation_prompt=True)
-    ids = ids["input_ids"] if hasattr(ids, "keys") else ids
-    return len(ids)
+from stages.common import Paths, Report, StageError, StageProgress, TargetParams, atomic_path, read_jsonl
+from stages.eval_choice import EVAL, RESERVE, choose_eval
+from stages.regenerate_backends import Backend, RegenerateParams, length_check, make_backend
+from stages.regenerate_resume import (PartialWriter, finished_path, fingerprint_of, partial_path, partial_paths,
+                                      read_finished, read_partials, write_finished)
 
 
 # -- the turn-by-turn loop -----------------------------------------------------------------------------------------
@@ -261,105 +100,7 @@ def regenerate_window(rows: list[dict], backend: Backend, sink: Callable[[dict],
     return len(convs), total
 
 
-# -- partial files and resumption ----------------------------------------------------------------------------------
-
-def partial_paths(final: Path) -> list[Path]:
-    return sorted(final.parent.glob(f".{final.name}.partial*"))
-
-
-def partial_path(final: Path, worker: int) -> Path:
-    return final.parent / f".{final.name}.partial.w{worker}"
-
-
-def read_partials(final: Path, fingerprint: dict) -> dict[str, dict]:
-    """Conversations finished by earlier (killed) runs; partials of other settings are discarded."""
-    done: dict[str, dict] = {}
-    for p in partial_paths(final):
-        lines = [line for line in p.read_text().split("\n") if line]   # not splitlines(): text may hold U+2028
-        try:
-            header = json.loads(lines[0]) if lines else {}
-        except json.JSONDecodeError:
-            header = {}
-        if header.get("fingerprint") != fingerprint:
-            p.unlink()
-            continue
-        for line in lines[1:]:
-            try:
-                row = json.loads(line)
-            except json.JSONDecodeError:  # the line a kill cut in half
-                continue
-            done[row["id"]] = row
-    return done
-
-
-class PartialWriter:
-    """Append-only, fsynced record of finished conversations."""
-
-    def __init__(self, path: Path, fingerprint: dict):
-        path.parent.mkdir(parents=True, exist_ok=True)
-        fresh = not path.exists() or path.stat().st_size == 0
-        self.f = path.open("a")
-        if not fresh:  # a kill may have cut the last line: start ours on a new one
-            self.f.write("\n")
-        else:
-            self.f.write(json.dumps({"fingerprint": fingerprint}) + "\n")
-        self._sync()
-
-    def __call__(self, row: dict) -> None:
-        self.f.write(json.dumps(row, ensure_ascii=False) + "\n")
-        self._sync()
-
-    def _sync(self) -> None:
-        self.f.flush()
-        os.fsync(self.f.fileno())
-
-    def close(self) -> None:
-        self.f.close()
-
-
-def finished_path(final: Path) -> Path:
-    return final.parent / f".{final.name}.done.json"
-
-
-def input_key(row: dict) -> str:
-    """What a regenerated conversation was made from: its prepared messages."""
-    return hashlib.sha256(json.dumps(row["messages"], sort_keys=True, ensure_ascii=False).encode()).hexdigest()[:16]
-
-
-def read_finished(final: Path, fingerprint: dict, rows: list[dict]) -> dict[str, dict]:
-    """Conversations of an earlier finished run (same settings, same input) that `rows` asks for again."""
-    record = finished_path(final)
-    if not (record.is_file() and final.is_file()):
-        return {}
-    try:
-        meta = json.loads(record.read_text())
-    except json.JSONDecodeError:
-        return {}                          # an unreadable record: nothing is reused, everything is regenerated
-    if not isinstance(meta, dict) or meta.get("fingerprint") != fingerprint:
-        return {}
-    try:
-        previous = read_jsonl(final) + list(meta.get("dropped", []))
-    except StageError:
-        return {}
-    made_from = meta.get("inputs", {})
-    wanted = {r["id"]: input_key(r) for r in rows}
-    return {r["id"]: r for r in previous
-            if isinstance(r, dict) and r.get("id") in wanted and made_from.get(r["id"]) == wanted[r["id"]]}
-
-
-def write_finished(final: Path, fingerprint: dict, rows: list[dict], done: dict[str, dict]) -> None:
-    record = {"fingerprint": fingerprint, "inputs": {r["id"]: input_key(r) for r in rows},
-              "dropped": [done[r["id"]] for r in rows if "dropped" in done[r["id"]]]}
-    with atomic_path(finished_path(final)) as tmp:
-        tmp.write_text(json.dumps(record, ensure_ascii=False))
-
-
-def fingerprint_of(params: RegenerateParams, target: TargetParams) -> dict:
-    """Settings that change the answers: a partial file made under others is not resumed."""
-    keep = ("backend", "server_model", "max_new_tokens", "temperature", "top_p", "batch_size", "window",
-            "max_prompt_tokens", "sampling_seed", "original_answers_from")
-    return {**{k: getattr(params, k) for k in keep}, "target": target.source, "dtype": target.dtype}
-
+# -- the rows and their order --------------------------------------------------------------------------------------
 
 def windows(rows: list[dict], size: int) -> list[list[dict]]:
     return [rows[i:i + size] for i in range(0, len(rows), size)]
@@ -378,40 +119,6 @@ def select_needed(rows: list[dict], largest_scale: int | None) -> list[dict]:
             or (r.get("split") == "train" and r.get("scale_rank", largest_scale) < largest_scale)]
 
 
-def opening(row: dict) -> list[dict]:
-    """The history the first answer is asked for from: a leading system message and the first user turn."""
-    msgs = row["messages"]
-    first = next((m for m in msgs if m.get("role") == "user"), None)
-    if first is None:
-        raise StageError(f"prepared row {row['id']!r}: no user turn")
-    return [dict(m) for m in msgs[:1] if m.get("role") == "system"] + [dict(first)]
-
-
-@dataclass
-class EvalChoice:
-    rows: list[dict]             # the eval rows to regenerate now (split `eval`)
-    spare: list[dict]            # further fitting candidates, in rank order, for eval rows that get no answer
-    size: int                    # eval rows wanted: the number prepare put in the eval split
-    counts: dict[str, int]
-
-
-def choose_eval(candidates: list[dict], too_long: Callable[[list[dict]], bool]) -> EvalChoice:
-    """The first `size` eval candidates (eval and reserve rows, by `scale_rank`) whose first prompt fits.
-
-    `size` is the number of rows prepare put in the eval split (data.eval_size); the reserve only fills in."""
-    size = sum(r.get("split") == EVAL for r in candidates)
-    ranked = sorted(candidates, key=lambda r: (r.get("scale_rank", 0), r["id"]))
-    fits = [not too_long(opening(r)) for r in ranked]
-    fitting = [i for i, ok in enumerate(fits) if ok]
-    used = fitting[:size]
-    seen = used[-1] + 1 if len(used) == size and used else len(ranked)   # the candidates the choice looked at
-    chosen = [dict(ranked[i], split=EVAL) for i in used]
-    counts = {"eval_candidates": len(ranked), "eval_wanted": size, "eval_chosen": len(chosen),
-              "eval_over_long": fits[:seen].count(False),
-              "eval_from_reserve": sum(ranked[i].get("split") == RESERVE for i in used)}
-    return EvalChoice(chosen, [dict(ranked[i], split=EVAL) for i in fitting[size:]], size, counts)
-
-
 # -- progress ------------------------------------------------------------------------------------------------------
 
 def _progress() -> StageProgress:
@@ -420,33 +127,6 @@ def _progress() -> StageProgress:
 
 
 # -- the stage -----------------------------------------------------------------------------------------------------
-
-def load_tokenizer(target: TargetParams, paths: Paths):
-    """The target's tokenizer alone (the openai backend checks prompt lengths with it)."""
-    from transformers import AutoTokenizer
-
-    from models.target import EMBEDDED, EMBEDDED_GGUF, embedded_model_dir
-
-    try:
-        if target.source == EMBEDDED:
-            cached = paths.model_cache / "smollm2-135m-instruct"
-            if (cached / "tokenizer_config.json").is_file():
-                return AutoTokenizer.from_pretrained(cached)
-            return AutoTokenizer.from_pretrained(embedded_model_dir(), gguf_file=EMBEDDED_GGUF)
-        return AutoTokenizer.from_pretrained(target.source)
-    except (OSError, ValueError) as exc:
-        raise StageError(f"target.source={target.source!r}: cannot load its tokenizer ({exc})") from None
-
-
-def make_backend(params: RegenerateParams, target: TargetParams, paths: Paths, loaded_target=None) -> Backend:
-    if params.backend == "openai":
-        return OpenAIBackend(params, params.server_model or target.source, load_tokenizer(target, paths))
-    if loaded_target is None:
-        from stages.common import load_target_for
-
-        loaded_target = load_target_for(target, paths)
-    return TransformersBackend(loaded_target, params)
-
 
 def keeps_dataset_answers(row: dict, params: RegenerateParams) -> bool:
     """A train row past the regeneration budget (`original_answers_from`) keeps the dataset's own answers."""
@@ -576,17 +256,6 @@ class RegenerateWorker:
         skip_set = set(skip)
         _, n = regenerate_window(rows, self.backend, lambda r: None if r["id"] in skip_set else self.writer(r))
         return n
-
-
-def length_check(params: RegenerateParams, target: TargetParams, paths: Paths,
-                 backend: Backend | None = None) -> Callable[[list[dict]], bool]:
-    """Whether a history's next prompt is over `max_prompt_tokens`: the backend's own check where it has one (the
-    same count it refuses by), else the target's tokenizer (Ray workers hold the backends)."""
-    check = getattr(backend, "too_long", None)
-    if check is not None:
-        return check
-    tokenizer = load_tokenizer(target, paths)
-    return lambda history: prompt_tokens(tokenizer, history) > params.max_prompt_tokens
 
 
 def regenerate_source(rows: list[dict], final: Path, params: RegenerateParams, target: TargetParams, paths: Paths,

@@ -231,7 +231,8 @@ def needs_parent(drafter: DrafterParams) -> bool:
 
 def build_drafter(target, drafter: DrafterParams, counts: torch.Tensor, head_init: str = "random"):
     """A fresh drafter sized from the target, with the draft vocabulary chosen from `counts`."""
-    from models.drafter import DrafterConfig, build_drafter as build_module
+    from models.build import build_drafter as build_module
+    from models.drafter_config import DrafterConfig
     from models.vocab import build_draft_vocab
 
     try:
@@ -336,6 +337,36 @@ def run(drafter: DrafterParams, params: TrainParams, run_dir: Path, paths: Paths
 
     torch.manual_seed(params.seed)
     model = build_drafter(tgt, drafter, src.token_counts(tgt.vocab_size), params.head_init)
+    init_info = starting_weights(model, drafter, params, init_from, paths)
+    config = resolved_config(model, drafter, params, target, n_conv, steps)
+    if ckpt.is_trained(run_dir):
+        done, _ = ckpt.load_run(run_dir)
+        if {k: done.get(k) for k in config} == config and "summary" in done:
+            return done["summary"]
+
+    model.to(tgt.device)
+    loop = Loop(model, params, steps, config, run_dir)
+    loop.resume()
+    end = steps if stop_after is None else min(steps, stop_after)
+    loss_value = loop.train(src, tgt, end, report)
+
+    wall = loop.wall_s()
+    summary = {"steps": end, "total_steps": steps, "tokens": loop.tokens, "wall_s": round(wall, 3),
+               "tokens_per_s": round(loop.tokens / wall, 1) if wall > 0 else None, "final_loss": loss_value,
+               "conversations": n_conv, **init_info}
+    if end < steps:     # stopped early on purpose: leave a checkpoint to resume from, no final model
+        loop.save_state(end)
+        return {**summary, "finished": False}
+    model.eval()
+    ckpt.save_run(run_dir, {**config, "summary": {**summary, "finished": True}}, ckpt.trainable_weights(model))
+    ckpt.remove_checkpoints(run_dir)
+    return {**summary, "finished": True}
+
+
+def starting_weights(model, drafter: DrafterParams, params: TrainParams, init_from: Path | None,
+                     paths: Paths) -> dict:
+    """Load what the drafter starts from (its parent eagle3 for init=ckpt, a trained run for `continue_from`);
+    returns what was loaded, for the run's summary (empty for a drafter trained from scratch)."""
     init_info = init_from_parent(model, init_from, drafter) if needs_parent(drafter) else {}
     if init_info and Path(init_from).resolve().is_relative_to(Path(paths.root).resolve()):
         init_info["init_from"] = str(Path(init_from).resolve().relative_to(Path(paths.root).resolve()))
@@ -345,90 +376,89 @@ def run(drafter: DrafterParams, params: TrainParams, run_dir: Path, paths: Paths
                              f"{drafter.variant} drafter; use one (drafter.init=random with continue_from)")
         init_info = {"continued_from": params.continue_from,
                      **continue_training(model, Path(paths.root) / params.continue_from, drafter)}
-    config = resolved_config(model, drafter, params, target, n_conv, steps)
-    if ckpt.is_trained(run_dir):
-        done, _ = ckpt.load_run(run_dir)
-        if {k: done.get(k) for k in config} == config and "summary" in done:
-            return done["summary"]
+    return init_info
 
-    device = tgt.device
-    model.to(device)
-    trainable = [p for p in model.parameters() if p.requires_grad]
-    opt = torch.optim.AdamW(trainable, lr=params.lr, weight_decay=params.weight_decay)
-    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: lr_factor(s, steps, params.warmup_ratio))
 
-    start, tokens_before, wall_before = 0, 0, 0.0
-    latest = ckpt.latest_checkpoint(run_dir)
-    if latest is not None:
+class Loop:
+    """The optimizer loop of one run: AdamW with warm-up and cosine decay, resumable from the run's checkpoint,
+    counting the tokens and the wall time it has trained (those before a resume included)."""
+
+    def __init__(self, model, params: TrainParams, steps: int, config: dict, run_dir: Path):
+        self.model, self.params, self.steps, self.config, self.run_dir = model, params, steps, config, run_dir
+        self.trainable = [p for p in model.parameters() if p.requires_grad]
+        self.opt = torch.optim.AdamW(self.trainable, lr=params.lr, weight_decay=params.weight_decay)
+        self.sched = torch.optim.lr_scheduler.LambdaLR(self.opt, lambda s: lr_factor(s, steps, params.warmup_ratio))
+        self.start, self.tokens, self.wall_before = 0, 0, 0.0
+        self.t_start = time.perf_counter()
+
+    def resume(self) -> None:
+        """Continue from the run's latest checkpoint when it was written for this configuration."""
+        latest = ckpt.latest_checkpoint(self.run_dir)
+        if latest is None:
+            return
         state = ckpt.load_checkpoint(latest)
-        if state.extra.get("config") == config:
-            ckpt.load_weights(model, state.model)
-            opt.load_state_dict(state.optimizer)
-            sched.load_state_dict(state.scheduler)
-            ckpt.set_rng_state(state.rng)
-            start = state.step
-            tokens_before, wall_before = state.extra.get("tokens", 0), state.extra.get("wall_s", 0.0)
-        else:   # a checkpoint of another configuration is not this run's past
-            ckpt.remove_checkpoints(run_dir)
+        if state.extra.get("config") != self.config:   # a checkpoint of another configuration is not this run's past
+            ckpt.remove_checkpoints(self.run_dir)
+            return
+        ckpt.load_weights(self.model, state.model)
+        self.opt.load_state_dict(state.optimizer)
+        self.sched.load_state_dict(state.scheduler)
+        ckpt.set_rng_state(state.rng)
+        self.start = state.step
+        self.tokens, self.wall_before = state.extra.get("tokens", 0), state.extra.get("wall_s", 0.0)
 
-    lm_head = tgt.lm_head.weight.detach()
-    data_dtype = None if params.precision == "bf16" else torch.float32
-    end = steps if stop_after is None else min(steps, stop_after)
-    tokens, t_start = tokens_before, time.perf_counter()
-    window, win_tokens, win_t0 = None, 0, time.perf_counter()
-    loss_value = float("nan")
-    model.train()
+    def wall_s(self) -> float:
+        return self.wall_before + time.perf_counter() - self.t_start
 
-    def save_state(step: int) -> None:
-        ckpt.save_checkpoint(run_dir, ckpt.TrainState(
-            step=step, model=ckpt.trainable_weights(model), optimizer=opt.state_dict(),
-            scheduler=sched.state_dict(), rng=ckpt.rng_state(),
-            extra={"config": config, "tokens": tokens, "wall_s": wall_before + time.perf_counter() - t_start}))
+    def save_state(self, step: int) -> None:
+        ckpt.save_checkpoint(self.run_dir, ckpt.TrainState(
+            step=step, model=ckpt.trainable_weights(self.model), optimizer=self.opt.state_dict(),
+            scheduler=self.sched.state_dict(), rng=ckpt.rng_state(),
+            extra={"config": self.config, "tokens": self.tokens, "wall_s": self.wall_s()}))
 
-    lengths = torch.tensor(src.lengths()) if params.bucket_window > 1 and hasattr(src, "lengths") else None
-    with _progress() as bar:
-        # named by study/trial: concurrent trials of a sweep print to the same log
-        task = bar.add_task(f"train {run_dir.parent.name}/{run_dir.name}", total=steps, unit="steps",
-                            note="loss {loss:.3f}, α0 {alpha0:.3f}, {tps:.0f} tok/s", completed=start, tps=0.0,
-                            loss=float("nan"), alpha0=float("nan"))
-        for step in range(start, end):
-            idx = batch_indices(step, n_conv, params.batch_size, params.seed, lengths, params.bucket_window)
-            batch = src.batch(idx).to(data_dtype, device)
-            with _autocast(params, device):
-                out = ttt_step(model, batch, lm_head, params, anchor_generator(params.seed, step))
-            opt.zero_grad(set_to_none=True)
-            out.loss.backward()
-            grad_norm = torch.nn.utils.clip_grad_norm_(trainable, params.grad_clip)
-            lr = opt.param_groups[0]["lr"]
-            opt.step()
-            sched.step()
+    def train(self, src: TargetSource, tgt, end: int, report: Report) -> float:
+        """Optimizer steps `start` .. `end` over `src`'s batches, with a checkpoint every `checkpoint_every` steps
+        and metrics every `log_every`; returns the last step's loss."""
+        params, model, run_dir, n_conv = self.params, self.model, self.run_dir, len(src)
+        device, lm_head = tgt.device, tgt.lm_head.weight.detach()
+        data_dtype = None if params.precision == "bf16" else torch.float32
+        self.t_start = time.perf_counter()
+        window, win_tokens, win_t0 = None, 0, time.perf_counter()
+        loss_value = float("nan")
+        model.train()
+        lengths = torch.tensor(src.lengths()) if params.bucket_window > 1 and hasattr(src, "lengths") else None
+        with _progress() as bar:
+            # named by study/trial: concurrent trials of a sweep print to the same log
+            task = bar.add_task(f"train {run_dir.parent.name}/{run_dir.name}", total=self.steps, unit="steps",
+                                note="loss {loss:.3f}, α0 {alpha0:.3f}, {tps:.0f} tok/s", completed=self.start,
+                                tps=0.0, loss=float("nan"), alpha0=float("nan"))
+            for step in range(self.start, end):
+                idx = batch_indices(step, n_conv, params.batch_size, params.seed, lengths, params.bucket_window)
+                batch = src.batch(idx).to(data_dtype, device)
+                with _autocast(params, device):
+                    out = ttt_step(model, batch, lm_head, params, anchor_generator(params.seed, step))
+                self.opt.zero_grad(set_to_none=True)
+                out.loss.backward()
+                grad_norm = torch.nn.utils.clip_grad_norm_(self.trainable, params.grad_clip)
+                lr = self.opt.param_groups[0]["lr"]
+                self.opt.step()
+                self.sched.step()
 
-            loss_value = float(out.loss.detach())
-            tokens += batch.tokens
-            win_tokens += batch.tokens
-            window = out.counts if window is None else window + out.counts
-            done = step + 1
-            if done % params.log_every == 0 or done == end:
-                dt = max(time.perf_counter() - win_t0, 1e-9)
-                metrics = step_metrics(out, window, loss_value, lr, float(grad_norm), win_tokens / dt)
-                report(metrics, done)
-                bar.update(task, tps=win_tokens / dt, alpha0=metrics["alpha_0"])
-                window, win_tokens, win_t0 = None, 0, time.perf_counter()
-            bar.update(task, completed=done, loss=loss_value)
-            if done % params.checkpoint_every == 0 and done < end:
-                save_state(done)
-
-    wall = wall_before + time.perf_counter() - t_start
-    summary = {"steps": end, "total_steps": steps, "tokens": tokens, "wall_s": round(wall, 3),
-               "tokens_per_s": round(tokens / wall, 1) if wall > 0 else None, "final_loss": loss_value,
-               "conversations": n_conv, **init_info}
-    if end < steps:     # stopped early on purpose: leave a checkpoint to resume from, no final model
-        save_state(end)
-        return {**summary, "finished": False}
-    model.eval()
-    ckpt.save_run(run_dir, {**config, "summary": {**summary, "finished": True}}, ckpt.trainable_weights(model))
-    ckpt.remove_checkpoints(run_dir)
-    return {**summary, "finished": True}
+                loss_value = float(out.loss.detach())
+                self.tokens += batch.tokens
+                win_tokens += batch.tokens
+                window = out.counts if window is None else window + out.counts
+                done = step + 1
+                if done % params.log_every == 0 or done == end:
+                    dt = max(time.perf_counter() - win_t0, 1e-9)
+                    metrics = step_metrics(out, window, loss_value, lr, float(grad_norm), win_tokens / dt)
+                    report(metrics, done)
+                    bar.update(task, tps=win_tokens / dt, alpha0=metrics["alpha_0"])
+                    window, win_tokens, win_t0 = None, 0, time.perf_counter()
+                bar.update(task, completed=done, loss=loss_value)
+                if done % params.checkpoint_every == 0 and done < end:
+                    self.save_state(done)
+        return loss_value
 
 
 def ttt_step(model, batch: TargetBatch, lm_head_weight: torch.Tensor, params: TrainParams,

@@ -3,7 +3,9 @@ from __future__ import annotations
 
 import torch
 
-from models.drafter import DraftCache, Drafter, DrafterConfig, build_drafter
+from models.build import build_drafter
+from models.drafter import DraftCache, Drafter
+from models.drafter_config import DrafterConfig
 
 VARIANT_GRID = (
     [dict(variant="eagle3", depth=1), dict(variant="eagle3", depth=2)]

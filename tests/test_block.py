@@ -7,7 +7,9 @@ import models.layers as layers
 from models.block import BlockDrafter, block_reference, block_unroll, sample_anchors
 from models.decoding import LookupProposer, TreeSpec, first_divergence, greedy_generate, speculative_generate
 from models.decoding.block_proposer import BlockProposer
-from models.drafter import Drafter, DrafterConfig, build_drafter
+from models.build import build_drafter
+from models.drafter import Drafter
+from models.drafter_config import DrafterConfig
 from models.quant import quantize_linears_int8
 from models.ttt import ttt_unroll
 from tests.drafter_helpers import BLOCK_GRID, capture, make_drafter, tiny

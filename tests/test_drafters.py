@@ -2,7 +2,8 @@
 import pytest
 import torch
 
-from models.drafter import DraftCache, Drafter, DrafterConfig, init_from_eagle3
+from models.drafter import DraftCache, Drafter, init_from_eagle3
+from models.drafter_config import DrafterConfig
 from models.rope import apply_rope, unapply_rope
 from models.ttt import ttt_unroll
 from models.vocab import build_draft_vocab, count_tokens, coverage, to_eagle3_offsets

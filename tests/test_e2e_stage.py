@@ -10,7 +10,8 @@ from stages.e2e import E2EParams, run
 
 @pytest.fixture()
 def run_dir(tmp_path, embedded_target):
-    from models.drafter import Drafter, DrafterConfig
+    from models.drafter import Drafter
+    from models.drafter_config import DrafterConfig
     from stages.checkpoint import save_run, trainable_weights
 
     torch.manual_seed(0)
@@ -75,7 +76,8 @@ def test_e2e_stage_names_a_bad_input(tmp_path, run_dir, embedded_target):
 
 def test_e2e_stage_decodes_a_block_drafter_with_its_own_trees(tmp_path, embedded_target):
     """A block drafter proposes one block per round, decoded losslessly, its tree picked among its own candidates."""
-    from models.drafter import DrafterConfig, build_drafter
+    from models.build import build_drafter
+    from models.drafter_config import DrafterConfig
     from stages.checkpoint import save_run, trainable_weights
 
     torch.manual_seed(0)

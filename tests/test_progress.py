@@ -144,7 +144,8 @@ def test_evaluate_prints_progress(tiny_run, tmp_path, capsys):
 
 
 def test_e2e_prints_progress(tmp_path, embedded_target, capsys):
-    from models.drafter import Drafter, DrafterConfig
+    from models.drafter import Drafter
+    from models.drafter_config import DrafterConfig
     from stages.checkpoint import save_run, trainable_weights
     from stages.e2e import E2EParams, run
 

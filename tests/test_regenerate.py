@@ -11,7 +11,9 @@ from pathlib import Path
 import pytest
 
 from stages.common import Paths, TargetParams, read_jsonl
-from stages.regenerate import Answer, OpenAIBackend, RegenerateParams, partial_paths, regenerate_rows
+from stages.regenerate import regenerate_rows
+from stages.regenerate_backends import Answer, OpenAIBackend, RegenerateParams
+from stages.regenerate_resume import partial_paths
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -107,7 +109,8 @@ torch.set_num_threads(1)
 from transformers import AutoTokenizer
 from models.target import tiny_target
 from stages.common import Paths, TargetParams, read_jsonl
-from stages.regenerate import RegenerateParams, TransformersBackend, regenerate_rows
+from stages.regenerate import regenerate_rows
+from stages.regenerate_backends import RegenerateParams, TransformersBackend
 tok_dir, rows_file, final = sys.argv[1:4]
 tok = AutoTokenizer.from_pretrained(tok_dir)
 target = tiny_target(vocab_size=len(tok), tokenizer=tok, num_layers=4)
