@@ -48,6 +48,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from models.context import BlockContext
 from models.drafter import DraftModel, Injection, _compute_dtype
 from models.drafter_config import DrafterConfig
 from models.layers import MLP, KeyBlock, RMSNorm, attend, attend_block, expand_heads, head_map
@@ -189,7 +190,7 @@ class BlockDrafter(DraftModel):
 
 # -- key contexts ---------------------------------------------------------------------------------------------
 
-class _DenseContext:
+class _DenseContext(BlockContext):
     """Every block sees its context entries (all, or `visible` [R, S]) and its own B keys: dense attention.
 
     explicit=False goes through `models.layers.attend` (the SDPA kernel; decoding), explicit=True is a plain
@@ -216,7 +217,7 @@ class _DenseContext:
         return o.transpose(1, 2).reshape(R, n, H * hd)
 
 
-class _UnrollContext:
+class _UnrollContext(BlockContext):
     """Key blocks for the parallel training pass: per source a causal T x T block (or the padding-aware mask),
     plus the block's own B keys per anchor row (`attend_block`)."""
 

@@ -79,6 +79,7 @@ from typing import Callable
 import torch
 from torch import nn
 
+from models.context import QueryContext
 from models.drafter_config import DrafterConfig
 from models.layers import MLP, KeyBlock, RMSNorm, attend, expand_heads, head_map, take_rows
 from models.rope import RotaryEmbedding, apply_rope, unapply_rope
@@ -263,12 +264,13 @@ class DraftCache:
             self.prefix_len = n
 
 
-class _StepContext:
+class _StepContext(QueryContext):
     """Key blocks for `Drafter.step`: dense masks over cached + new entries."""
 
     def __init__(self, drafter: "Drafter", cache: DraftCache, positions: torch.Tensor, self_mask: torch.Tensor,
                  target_kv, target_mask):
-        self.drafter, self.cache = drafter, cache
+        super().__init__(drafter)
+        self.cache = cache
         self.self_mask = self_mask[:, None]
         self.target_kv, self.target_mask = target_kv, target_mask
         self.entry_pos = positions if cache.positions is None else torch.cat([cache.positions, positions], 1)
@@ -285,30 +287,36 @@ class _StepContext:
         K, V = self._own(attn, k, v, "self")
         return [KeyBlock(K, V, self.self_mask)]
 
-    def cross_blocks(self, attn: Attention, k, v, rows=None) -> list[KeyBlock]:
-        if self.drafter.config.token_context:
-            # the control with context: its own entries of the accepted tokens are the prefix, seen as the self
-            # branch sees them (causal among accepted tokens, tree ancestors, itself); no target KV
-            K, V = self._own(attn, k, v, "cross")
-            return [KeyBlock(K, V, self.self_mask)]
+    def own_prefix(self, attn: Attention, k, v, rows=None) -> list[KeyBlock]:
+        # its own entries of the accepted tokens are the prefix, seen as the self branch sees them (causal among
+        # accepted tokens, tree ancestors, itself)
+        K, V = self._own(attn, k, v, "cross")
+        return [KeyBlock(K, V, self.self_mask)]
+
+    def _target_mask(self, device) -> torch.Tensor:
+        """[B, n, S_t] bool: the target entries each query may see; a reader of the target KV must be handed it."""
         if self.target_kv is None:
             raise ValueError(f"drafter.step: variant {self.drafter.config.variant!r} reads the target KV; "
                              "target_kv is required")
-        no_target = self.drafter.config.no_target
-        pk, pv = (None, None) if no_target else self._prefix(attn)
-        S_t, dev = self.target_kv[0][0].shape[2], k.device
+        S_t = self.target_kv[0][0].shape[2]
         B, n = self.self_mask.shape[0], self.self_mask.shape[2]
-        tmask = (torch.ones(B, n, S_t, dtype=torch.bool, device=dev) if self.target_mask is None
-                 else self.target_mask.to(torch.bool))
+        return (torch.ones(B, n, S_t, dtype=torch.bool, device=device) if self.target_mask is None
+                else self.target_mask.to(torch.bool))
+
+    def target_prefix(self, attn: Attention, rows=None) -> KeyBlock:
+        tmask = self._target_mask(self.entry_pos.device)
+        pk, pv = self._prefix(attn)
+        return KeyBlock(expand_heads(pk, attn.hmap), expand_heads(pv, attn.hmap), tmask[:, None])
+
+    def own_chain(self, attn: Attention, k, v, rows=None) -> KeyBlock:
+        tmask = self._target_mask(k.device)
+        S_t = tmask.shape[2]
         # an own entry whose input token is already inside the visible target KV is the target's business
         # (no_target: it stays unseen all the same, so a query sees exactly the chain it sees in training)
-        last = torch.where(tmask, torch.arange(S_t, device=dev), -1).amax(-1, keepdim=True)  # [B, n, 1]
+        last = torch.where(tmask, torch.arange(S_t, device=k.device), -1).amax(-1, keepdim=True)  # [B, n, 1]
         covered = self.entry_pos[:, None, :] <= last
         K, V = self._own(attn, k, v, "cross")
-        own = KeyBlock(K, V, self.self_mask & ~covered[:, None])
-        if no_target:
-            return [own]
-        return [KeyBlock(expand_heads(pk, attn.hmap), expand_heads(pv, attn.hmap), tmask[:, None]), own]
+        return KeyBlock(K, V, self.self_mask & ~covered[:, None])
 
     def _prefix(self, attn: Attention):
         """The projected target prefix of this layer, extended by the target cache's new tail only."""

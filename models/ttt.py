@@ -34,6 +34,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from models.context import QueryContext
 from models.drafter import Drafter
 from models.layers import KeyBlock, expand_heads, take_rows
 from models.metrics import StepCounts, step_counts
@@ -58,11 +59,12 @@ class TTTOutput:
         return self.counts.alpha
 
 
-class _TTTContext:
+class _TTTContext(QueryContext):
     """Key blocks for the parallel unroll: a causal T x T block plus per-position diag blocks."""
 
     def __init__(self, drafter: Drafter, causal: torch.Tensor | None, target_kv, position_ids: torch.Tensor):
-        self.drafter, self.causal = drafter, causal     # None: right padding, the plain causal triangle serves
+        super().__init__(drafter)
+        self.causal = causal                            # None: right padding, the plain causal triangle serves
         self.target_kv, self.position_ids = target_kv, position_ids
         self.k = 0
         self.dense0: dict = {}
@@ -89,19 +91,20 @@ class _TTTContext:
             return [self._prefix(K, V)]
         return [self._prefix(*self.dense0[attn.layer]), self._chain((attn.layer, "self"), K, V)]
 
-    def cross_blocks(self, attn, k, v, rows=None) -> list[KeyBlock]:
-        if self.drafter.config.token_context:     # the control with context: its own step-0 keys are the prefix
-            return self.self_blocks(attn, k, v, rows)
-        if attn.layer not in self.prefix and not self.drafter.config.no_target:
+    def own_prefix(self, attn, k, v, rows=None) -> list[KeyBlock]:
+        return self.self_blocks(attn, k, v, rows)       # its own step-0 keys are the prefix
+
+    def target_prefix(self, attn, rows=None) -> KeyBlock:
+        if attn.layer not in self.prefix:
             if self.target_kv is None:
                 raise ValueError(f"ttt_unroll: variant {self.drafter.config.variant!r} needs target_kv")
             cos, sin = self.drafter.rope_for_target(self.position_ids)
             pk, pv = attn.inject(self.target_kv, cos, sin)
             self.prefix[attn.layer] = (expand_heads(pk, attn.hmap), expand_heads(pv, attn.hmap))
-        chain = self._chain((attn.layer, "cross"), expand_heads(k, attn.hmap), expand_heads(v, attn.hmap))
-        if self.drafter.config.no_target:
-            return [chain]
-        return [self._prefix(*self.prefix[attn.layer]), chain]
+        return self._prefix(*self.prefix[attn.layer])
+
+    def own_chain(self, attn, k, v, rows=None) -> KeyBlock:
+        return self._chain((attn.layer, "cross"), expand_heads(k, attn.hmap), expand_heads(v, attn.hmap))
 
     def record_gate(self, layer: int, g: torch.Tensor) -> None:
         self.gates.setdefault(layer, []).append(g.detach().float().mean())
@@ -422,7 +425,7 @@ def weighted_soft_cross_entropy(z: torch.Tensor, probs: torch.Tensor, rows: torc
     return _WeightedSoftCrossEntropy.apply(z, probs, rows, weight.float(), block)
 
 
-class _CompactContext:
+class _CompactContext(QueryContext):
     """Key blocks for the compact unroll.
 
     Step 0's entries are every position ([B, T] layout; its last layer may query at some `rows` only); step k >= 1's
@@ -432,7 +435,8 @@ class _CompactContext:
     """
 
     def __init__(self, drafter: Drafter, causal: torch.Tensor | None, target_kv, position_ids: torch.Tensor):
-        self.drafter, self.causal = drafter, causal
+        super().__init__(drafter)
+        self.causal = causal
         self.target_kv, self.position_ids = target_kv, position_ids
         self.k, self.rows, self.sel = 0, None, None
         self.dense0: dict = {}
@@ -472,20 +476,20 @@ class _CompactContext:
             return [self._prefix(K, V, rows)]
         return [self._prefix(*self.dense0[attn.layer], self.rows), self._chain((attn.layer, "self"), K, V, None)]
 
-    def cross_blocks(self, attn, k, v, rows=None) -> list[KeyBlock]:
-        cfg = self.drafter.config
-        if cfg.token_context:                      # the control with context: its own step-0 keys are the prefix
-            return self.self_blocks(attn, k, v, rows)
-        if attn.layer not in self.prefix and not cfg.no_target:
+    def own_prefix(self, attn, k, v, rows=None) -> list[KeyBlock]:
+        return self.self_blocks(attn, k, v, rows)       # its own step-0 keys are the prefix
+
+    def target_prefix(self, attn, rows=None) -> KeyBlock:
+        if attn.layer not in self.prefix:
             if self.target_kv is None:
-                raise ValueError(f"ttt_unroll: variant {cfg.variant!r} needs target_kv")
+                raise ValueError(f"ttt_unroll: variant {self.drafter.config.variant!r} needs target_kv")
             cos, sin = self.drafter.rope_for_target(self.position_ids)
             pk, pv = attn.inject(self.target_kv, cos, sin)
             self.prefix[attn.layer] = (expand_heads(pk, attn.hmap), expand_heads(pv, attn.hmap))
-        chain = self._chain((attn.layer, "cross"), expand_heads(k, attn.hmap), expand_heads(v, attn.hmap), rows)
-        if cfg.no_target:
-            return [chain]
-        return [self._prefix(*self.prefix[attn.layer], rows if self.k == 0 else self.rows), chain]
+        return self._prefix(*self.prefix[attn.layer], rows if self.k == 0 else self.rows)
+
+    def own_chain(self, attn, k, v, rows=None) -> KeyBlock:
+        return self._chain((attn.layer, "cross"), expand_heads(k, attn.hmap), expand_heads(v, attn.hmap), rows)
 
     def record_gate(self, layer: int, g: torch.Tensor) -> None:
         self.gates.setdefault(layer, []).append(g.detach().float().mean())
