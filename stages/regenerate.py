@@ -139,8 +139,6 @@ def regenerate_rows(rows: list[dict], final: Path, params: RegenerateParams, tar
     """Regenerate `rows` into `final` (resuming from its partial files); returns counts for the report.
 
     Rows past the budget (`keeps_dataset_answers`) are written with their own answers, never generated."""
-    import torch
-
     fp = fingerprint_of(params, target)
     order = canonical_order(rows)
     kept_as_is = {r["id"]: dict(r, answers="dataset") for r in order if keeps_dataset_answers(r, params)}
@@ -161,27 +159,7 @@ def regenerate_rows(rows: list[dict], final: Path, params: RegenerateParams, tar
             new_tokens = _run_ray(todo, final, params, target, paths, fp, bar, task, done)
         elif todo:
             backend = backend or make_backend(params, target, paths)
-            writer = PartialWriter(partial_path(final, 0), fp)
-
-            live = [0]   # tokens of the conversations this run finished, counted as they finish (for the log)
-
-            def sink(row: dict) -> None:
-                if row["id"] not in done:  # a recomputed window: keep what the earlier run wrote
-                    writer(row)
-                    done[row["id"]] = row
-                    live[0] += row.get("gen_tokens", 0)
-                count = bar.skip if "dropped" in row else bar.advance
-                count(task, tokens=tokens + live[0], tps=live[0] / max(time.perf_counter() - t0, 1e-9))
-
-            try:
-                for w, win in todo:
-                    torch.manual_seed(params.sampling_seed + w)
-                    already = sum(r["id"] in done for r in win)
-                    bar.advance(task, -already)  # recounted by the sink
-                    _, n = regenerate_window(win, backend, sink)
-                    new_tokens += n
-            finally:
-                writer.close()
+            new_tokens = _run_here(todo, final, params, fp, backend, bar, task, done, tokens, t0)
     done = {**finished, **read_partials(final, fp), **kept_as_is}
     missing = [r["id"] for r in order if r["id"] not in done]
     if missing:
@@ -206,6 +184,36 @@ def regenerate_rows(rows: list[dict], final: Path, params: RegenerateParams, tar
             "answers_cut": sum(r.get("gen_cut", 0) for r in kept), "dataset_answers": len(kept_as_is),
             "tokens": sum(r.get("gen_tokens", 0) for r in kept), "new_tokens": new_tokens,
             "seconds": dt, "tokens_per_s": new_tokens / max(dt, 1e-9), **{f"dropped/{k}": v for k, v in drops.items()}}
+
+
+def _run_here(todo, final: Path, params: RegenerateParams, fp: str, backend: Backend, bar, task, done: dict,
+              tokens: int, t0: float) -> int:
+    """The windows `todo` generated in this process, each row appended to the partial file as it finishes;
+    returns the tokens generated."""
+    import torch
+
+    writer = PartialWriter(partial_path(final, 0), fp)
+    live = [0]   # tokens of the conversations this run finished, counted as they finish (for the log)
+    new_tokens = 0
+
+    def sink(row: dict) -> None:
+        if row["id"] not in done:  # a recomputed window: keep what the earlier run wrote
+            writer(row)
+            done[row["id"]] = row
+            live[0] += row.get("gen_tokens", 0)
+        count = bar.skip if "dropped" in row else bar.advance
+        count(task, tokens=tokens + live[0], tps=live[0] / max(time.perf_counter() - t0, 1e-9))
+
+    try:
+        for w, win in todo:
+            torch.manual_seed(params.sampling_seed + w)
+            already = sum(r["id"] in done for r in win)
+            bar.advance(task, -already)  # recounted by the sink
+            _, n = regenerate_window(win, backend, sink)
+            new_tokens += n
+    finally:
+        writer.close()
+    return new_tokens
 
 
 def _run_ray(todo, final, params, target, paths, fp, bar, task, done) -> int:
