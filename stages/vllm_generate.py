@@ -59,7 +59,7 @@ def total(values: list):
     return sum(present)
 
 
-def main() -> None:
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--model", required=True, help="target directory, or a speculators-format export")
     ap.add_argument("--draft", help="an eagle3-format export to speculate with (method eagle3)")
@@ -74,7 +74,11 @@ def main() -> None:
                          "decoding)")
     ap.add_argument("--one-by-one", action="store_true", help="one generate call per prompt (batch 1)")
     ap.add_argument("--out", required=True, help="JSON file to write")
-    args = ap.parse_args()
+    return ap.parse_args(argv)
+
+
+def main() -> None:
+    args = parse_args()
 
     from vllm import LLM, SamplingParams
     from vllm import __version__ as vllm_version
