@@ -151,6 +151,42 @@ def test_sweeps_track_in_mlflow_and_skip_finished_trials(smoke):
 
 
 @pytest.mark.slow
+def test_a_validation_study_trains_evaluates_beyond_its_scale_and_reports_apart(smoke):
+    """A study with `validation` on the real stages: its trials train at the small scale, are evaluated on the
+    training conversations beyond it (written by the sweep), and the report shows them in a section of their own."""
+    ws, env, _ = smoke
+    params_file = ws / "params.yaml"
+    original = params_file.read_text()
+    params = yaml.safe_load(original)
+    small = min(params["data"]["scales"], key=params["data"]["scales"].get)
+    params["studies"]["lrv"] = {"grid": {"drafter.variant": ["kv_only"], "train.lr": [0.001, 0.003],
+                                         "train.scale": [small]}, "validation": 3}
+    try:
+        params_file.write_text(yaml.safe_dump(params, sort_keys=False))
+        out = kvshot("sweep", "--study", "lrv", "--root", str(ws), env=env, cwd=ws)
+        assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+        rows = json.loads((ws / "metrics" / "stepwise" / "lrv.json").read_text())
+        where = f"data/validation/{small}-3.jsonl"
+        chosen = [json.loads(line)["id"] for line in (ws / where).read_text().splitlines()]
+        assert len(rows) == 2 and all(r["status"] == "ok" and r["eval_data"] == where for r in rows)
+        assert all(r["per_conversation"]["ids"] == chosen for r in rows)      # those conversations, none other
+        assert all(r["scale_rank"] >= params["data"]["scales"][small]
+                   for r in map(json.loads, (ws / where).read_text().splitlines()))
+        report_root = ws / "scratch" / "lrv-report"
+        shutil.rmtree(report_root, ignore_errors=True)
+        (report_root / "metrics" / "stepwise").mkdir(parents=True)
+        shutil.copy(ws / "metrics" / "stepwise" / "lrv.json", report_root / "metrics" / "stepwise")
+        from stages.common import Paths
+        from stages.report import ReportParams, run
+        run(ReportParams(bootstrap_draws=200), {"studies": ["lrv"]}, Paths(report_root), lambda m, step=None: None)
+        text = (report_root / "reports" / "README.md").read_text()
+        assert "## Validation: lrv" in text and where in text and "**best**" in text
+    finally:
+        params_file.write_text(original)
+        (ws / "metrics" / "stepwise" / "lrv.json").unlink(missing_ok=True)
+
+
+@pytest.mark.slow
 def test_a_part_of_a_study_runs_in_one_go_from_a_fresh_workspace(tmp_path):
     """`kvshot repro --part STUDY/PART`: the data stages, the part's sweep and the end-to-end decoding of its
     drafters the study marks, nothing of the other studies, and one wall time for the whole in the parts record."""
