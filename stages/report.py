@@ -34,7 +34,8 @@ from stages.engine_report import ENGINE_METRICS, engine_section
 from stages.findings import MISSING, Verdict, findings, fmt_ci
 from stages.report_cells import PAPER_LABEL, cell, md_table, paper_cell, paper_row, tree_text
 from stages.report_figures import FigureDir, plot_e2e, plot_retention, plot_steps
-from stages.report_provenance import not_run_yet, parts_provenance, provenance_table, study_provenance
+from stages.report_provenance import (OTHER_CODE, main_code, not_run_yet, on_other_code, parts_provenance,
+                                      provenance_table, study_provenance)
 from stages.report_validation import is_validation, validation_section
 from stages.results import (LOOKUP_KIND, PAPER_TREE, E2EGroup, Results, Setting, collect, label, read_rows,
                             scale_order, sort_key, variant_name)
@@ -104,23 +105,6 @@ def _labels(cols: LabelCols, s: Setting) -> list[str]:
     if s.extra and cols[0][1]:
         out[0] += " (" + ", ".join(f"{k}={v}" for k, v in s.extra.items()) + ")"
     return out
-
-
-OTHER_CODE = "‡"     # marks a setting whose rows were computed by other code than the rest of the report's
-
-
-def main_code(studies: dict[str, list[Setting] | None]) -> str | None:
-    """The code hash most of the report's trials were computed by (None: no row records one)."""
-    counts: dict[str, int] = {}
-    for settings in studies.values():
-        for s in settings or []:
-            for c in s.codes:
-                counts[c] = counts.get(c, 0) + s.n
-    return max(sorted(counts), key=counts.get) if counts else None
-
-
-def on_other_code(s: Setting, main: str | None) -> bool:
-    return main is not None and bool(s.codes) and s.codes != [main]
 
 
 def _seeds(s: Setting, main: str | None = None) -> str:

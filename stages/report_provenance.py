@@ -1,7 +1,8 @@
 """The report's provenance: where its numbers came from and what they cost. The run's own record (profile, target,
 commit, machine, stage times, the metrics files' hashes), one row per study (its trials, the commits and code its
 rows were computed at, its wall time and machine) and one per study part (`studies.STUDY.parts`, run in one go
-with `kvshot repro --part`), plus the trials a profile plans that have no row yet. Also the key under which a
+with `kvshot repro --part`), plus the trials a profile plans that have no row yet, and the code most rows were
+computed by (`main_code`; a setting computed by other code is marked `OTHER_CODE`). Also the key under which a
 study's (or part's) stage time and machine are recorded (`study_key`), which the CLI writes them under.
 
 Tables come back as DataFrames; `stages.report` writes them as markdown.
@@ -13,7 +14,7 @@ import json
 import pandas as pd
 
 from stages.common import filter_text
-from stages.results import Results
+from stages.results import Results, Setting
 from stages.sections import ReportParams
 
 
@@ -171,5 +172,24 @@ def parts_provenance(context: dict, budget_min: float | None) -> pd.DataFrame:
     return pd.DataFrame.from_records(records)
 
 
-__all__ = ["context_value", "not_run_yet", "parts_provenance", "provenance_table", "study_entries", "study_key",
-           "study_provenance", "study_time"]
+# -- which code computed the rows ----------------------------------------------------------------------------------
+
+OTHER_CODE = "‡"     # marks a setting whose rows were computed by other code than the rest of the report's
+
+
+def main_code(studies: dict[str, list[Setting] | None]) -> str | None:
+    """The code hash most of the report's trials were computed by (None: no row records one)."""
+    counts: dict[str, int] = {}
+    for settings in studies.values():
+        for s in settings or []:
+            for c in s.codes:
+                counts[c] = counts.get(c, 0) + s.n
+    return max(sorted(counts), key=counts.get) if counts else None
+
+
+def on_other_code(s: Setting, main: str | None) -> bool:
+    return main is not None and bool(s.codes) and s.codes != [main]
+
+
+__all__ = ["OTHER_CODE", "context_value", "main_code", "not_run_yet", "on_other_code", "parts_provenance",
+           "provenance_table", "study_entries", "study_key", "study_provenance", "study_time"]
