@@ -16,6 +16,7 @@ two layouts (dense for decoding and the reference, rows of anchors for training)
 """
 from __future__ import annotations
 
+from abc import ABC, abstractmethod
 from typing import Any
 
 import torch
@@ -23,7 +24,7 @@ import torch
 from models.layers import KeyBlock
 
 
-class QueryContext:
+class QueryContext(ABC):
     """The keys of each attention branch of an autoregressive drafter, for one forward pass."""
 
     def __init__(self, drafter: Any):
@@ -31,21 +32,21 @@ class QueryContext:
 
     # -- the pieces a layout supplies ----------------------------------------------------------------------------
 
+    @abstractmethod
     def self_blocks(self, attn, k: torch.Tensor, v: torch.Tensor, rows=None) -> list[KeyBlock]:
         """The self branch: the drafter's own entries of the prefix and the chain."""
-        raise NotImplementedError
 
+    @abstractmethod
     def own_prefix(self, attn, k: torch.Tensor, v: torch.Tensor, rows=None) -> list[KeyBlock]:
         """The cross branch of the control with context: its own entries, seen as the self branch sees them."""
-        raise NotImplementedError
 
+    @abstractmethod
     def target_prefix(self, attn, rows=None) -> KeyBlock:
         """The target's injected KV of the prefix (projected once per layer and pass)."""
-        raise NotImplementedError
 
+    @abstractmethod
     def own_chain(self, attn, k: torch.Tensor, v: torch.Tensor, rows=None) -> KeyBlock:
         """The drafter's own entries of the chain, with this call's appended."""
-        raise NotImplementedError
 
     # -- the rule ------------------------------------------------------------------------------------------------
 
@@ -60,12 +61,12 @@ class QueryContext:
         return [chain] if prefix is None else [prefix, chain]
 
 
-class BlockContext:
+class BlockContext(ABC):
     """The keys of a block drafter's attention: the context entries each anchor may see, then the block's own."""
 
+    @abstractmethod
     def attend(self, attn, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         """Attention output `[R, n, H*hd]` of the block queries `q` over the context and the block keys `k`, `v`."""
-        raise NotImplementedError
 
 
 __all__ = ["BlockContext", "QueryContext"]

@@ -276,6 +276,7 @@ class _StepContext(QueryContext):
         self.entry_pos = positions if cache.positions is None else torch.cat([cache.positions, positions], 1)
         self.new_prefix: dict = {}
         self.gates: dict = {}
+        self._tmask: torch.Tensor | None = None
 
     def _own(self, attn: Attention, k, v, branch: str):
         key = (attn.layer, branch)
@@ -293,23 +294,26 @@ class _StepContext(QueryContext):
         K, V = self._own(attn, k, v, "cross")
         return [KeyBlock(K, V, self.self_mask)]
 
-    def _target_mask(self, device) -> torch.Tensor:
-        """[B, n, S_t] bool: the target entries each query may see; a reader of the target KV must be handed it."""
+    def _target_mask(self) -> torch.Tensor:
+        """[B, n, S_t] bool: the target entries each query may see (the same for every layer of the step, so made
+        once); a reader of the target KV must be handed it."""
         if self.target_kv is None:
             raise ValueError(f"drafter.step: variant {self.drafter.config.variant!r} reads the target KV; "
                              "target_kv is required")
-        S_t = self.target_kv[0][0].shape[2]
-        B, n = self.self_mask.shape[0], self.self_mask.shape[2]
-        return (torch.ones(B, n, S_t, dtype=torch.bool, device=device) if self.target_mask is None
-                else self.target_mask.to(torch.bool))
+        if self._tmask is None:
+            S_t = self.target_kv[0][0].shape[2]
+            B, n = self.self_mask.shape[0], self.self_mask.shape[2]
+            self._tmask = (torch.ones(B, n, S_t, dtype=torch.bool, device=self.entry_pos.device)
+                           if self.target_mask is None else self.target_mask.to(torch.bool))
+        return self._tmask
 
     def target_prefix(self, attn: Attention, rows=None) -> KeyBlock:
-        tmask = self._target_mask(self.entry_pos.device)
+        tmask = self._target_mask()
         pk, pv = self._prefix(attn)
         return KeyBlock(expand_heads(pk, attn.hmap), expand_heads(pv, attn.hmap), tmask[:, None])
 
     def own_chain(self, attn: Attention, k, v, rows=None) -> KeyBlock:
-        tmask = self._target_mask(k.device)
+        tmask = self._target_mask()
         S_t = tmask.shape[2]
         # an own entry whose input token is already inside the visible target KV is the target's business
         # (no_target: it stays unseen all the same, so a query sees exactly the chain it sees in training)
