@@ -180,13 +180,14 @@ def plan(cfg: Config, axes: dict[str, list[Any]] | None = None, study: str | Non
     grid, includes = _study_axes(cfg, study, outer, fixed)
     name = study or ADHOC
     resolved = _resolve(base, _combos(outer, grid, includes), name)
-    if study is not None and study in cfg.studies and cfg.studies[study].validation:
-        resolved = _on_validation(resolved, cfg.studies[study].validation, name)
+    validation_size = cfg.studies[study].validation if study in cfg.studies else None
+    if validation_size:
+        resolved = _on_validation(resolved, validation_size, name)
     _check_parents(resolved, name)
     parents_by_key = _add_parents(resolved, name)
     _add_controls(resolved, parents_by_key, name)
-    if study is not None and study in cfg.studies and cfg.studies[study].validation:
-        resolved[:] = _on_validation(resolved, cfg.studies[study].validation, name)
+    if validation_size:
+        resolved[:] = _on_validation(resolved, validation_size, name)
     return _trials(resolved, parents_by_key, name)
 
 

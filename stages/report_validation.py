@@ -18,7 +18,7 @@ from typing import Any
 
 from stages.findings import contrast, fmt_ci
 from stages.report_cells import cell, md_table
-from stages.results import SETTING_DEFAULTS, Setting, label
+from stages.results import Setting, label, setting_columns
 
 METRIC = "step_mat"
 
@@ -49,9 +49,9 @@ def _swept(s: Setting) -> str:
     return ", ".join(f"{k.rsplit('.', 1)[-1]} {v}" for k, v in s.extra.items()) or "(profile's)"
 
 
-def best(group: list[Setting]) -> Setting | None:
-    scored = [s for s in group if math.isfinite(s.value(METRIC))]
-    return max(scored, key=lambda s: s.value(METRIC)) if scored else None
+def ranked(group: list[Setting]) -> list[Setting]:
+    """The arm's values with a step MAT, best first."""
+    return sorted((s for s in group if math.isfinite(s.value(METRIC))), key=lambda s: -s.value(METRIC))
 
 
 def trained_lrs(rows_by_study: dict[str, list[dict] | None], arm: Setting) -> dict[float, list[str]]:
@@ -62,8 +62,7 @@ def trained_lrs(rows_by_study: dict[str, list[dict] | None], arm: Setting) -> di
         for r in rows or []:
             if r.get("eval_data") or r.get("status", "ok") != "ok" or not isinstance(r.get("lr"), (int, float)):
                 continue
-            if all((r.get(k) if r.get(k) is not None else d) == arm.fields.get(k, d)
-                   for k, d in SETTING_DEFAULTS.items()):
+            if setting_columns(r) == setting_columns(arm.fields):
                 found.setdefault(float(r["lr"]), [])
                 if study not in found[float(r["lr"])]:
                     found[float(r["lr"])].append(study)
@@ -71,7 +70,7 @@ def trained_lrs(rows_by_study: dict[str, list[dict] | None], arm: Setting) -> di
 
 
 def _lr_of(s: Setting) -> Any:
-    return next((v for k, v in s.extra.items() if k.endswith("train.lr") or k == "lr"), None)
+    return s.extra.get("train.lr")
 
 
 def validation_section(name: str, settings: list[Setting], rows: list[dict], others: dict[str, list[dict] | None],
@@ -85,16 +84,16 @@ def validation_section(name: str, settings: list[Setting], rows: list[dict], oth
           f"best value is the one with the highest step MAT; the findings do not read these rows.", ""]
     table, notes = [], []
     for group in arms(settings).values():
-        top = best(group) if len(group) > 1 else None    # one value: nothing chosen
+        order = ranked(group) if len(group) > 1 else []    # one value: nothing chosen
+        top = order[0] if order else None
         for s in group:
             table.append({"arm": _arm_label(s), "swept": _swept(s), "seeds": s.n, "step MAT": cell(s, METRIC, level),
                           "acc_0": cell(s, "acc_0", level), "best": "**best**" if s is top else ""})
         if top is None:
             continue
-        rest = [s for s in group if s is not top and math.isfinite(s.value(METRIC))]
         text = f"- **{_arm_label(top)}**: best at {_swept(top)}"
-        if rest:
-            runner = max(rest, key=lambda s: s.value(METRIC))
+        if len(order) > 1:
+            runner = order[1]
             c = contrast(top, runner, METRIC, level)
             text += f" (over {_swept(runner)}: {c.diff:+.3f} {fmt_ci(*c.ci, signed=True)}, {c.seeds})"
         used = trained_lrs(others, top)
@@ -115,4 +114,4 @@ def validation_section(name: str, settings: list[Setting], rows: list[dict], oth
     return md
 
 
-__all__ = ["arms", "best", "is_validation", "trained_lrs", "validation_section"]
+__all__ = ["arms", "ranked", "is_validation", "trained_lrs", "validation_section"]

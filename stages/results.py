@@ -70,11 +70,16 @@ def row_error(row: dict) -> str | None:
     return None
 
 
+def setting_columns(row: dict) -> dict[str, Any]:
+    """A row's setting columns, each missing or null one read as its default."""
+    return {k: row.get(k, d) if row.get(k) is not None else d for k, d in SETTING_DEFAULTS.items()}
+
+
 def stepwise_frame(study: str, rows: list[dict]) -> pd.DataFrame:
     """One row per trial: the setting columns, status, seed and the raw row (kept for its lists)."""
     records = []
     for r in rows:
-        rec = {k: r.get(k, d) if r.get(k) is not None else d for k, d in SETTING_DEFAULTS.items()}
+        rec = setting_columns(r)
         rec.update(study=study, trial=str(r.get("trial")), seed=r.get("seed"), error=row_error(r),
                    extra=json.dumps(_extra(r), sort_keys=True, default=str), row=r,
                    commit=r.get("git_commit"), fingerprint=r.get("fingerprint"), reused_from=r.get("reused_from"),

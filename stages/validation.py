@@ -18,7 +18,8 @@ import json
 import re
 from pathlib import Path
 
-from stages.common import Paths, StageError, read_jsonl, write_text_atomic
+from stages.common import Paths, StageError, write_text_atomic
+from stages.features import load_regenerated
 from stages.prepare import CONTEXT_FREE, first_prompt, prompt_key
 
 FOLDER = "data/validation"
@@ -57,10 +58,7 @@ def choose(rows: list[dict], scales: dict[str, int], scale: str, size: int) -> l
 def write(paths: Paths, data, scale: str, size: int) -> Path:
     """Write the validation set of `size` conversations beyond `scale` (atomically; unchanged content is left as it
     is, so a resumed sweep keeps its trials' fingerprints)."""
-    rows = []
-    for source in data.sources:
-        rows += read_jsonl(paths.regenerated(source))
-    chosen = choose(rows, dict(data.scales), scale, size)
+    chosen = choose(load_regenerated(paths, data), dict(data.scales), scale, size)
     path = Path(paths.root) / relative_path(scale, size)
     text = "".join(json.dumps({"id": r["id"], "source": r.get("source"), "scale_rank": r["scale_rank"],
                                "messages": r["messages"]}, ensure_ascii=False) + "\n" for r in chosen)
