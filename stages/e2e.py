@@ -195,8 +195,7 @@ def run(params: E2EParams, run_dirs, paths: Paths, report: Report, *, target: Ta
         report({f"{row['trial']}/{kind}/{key}": float(row[key]) for key in   # one MLflow series per drafter
                 ("tau", "tokens_per_s", "speedup", "draft_time_share", "exact_match", "lossless")})
     write_json_atomic(paths.e2e_metrics, rows)
-    serve_with_engines(params, run_dirs, [settings[i] for i in range(len(run_dirs))], prompts, tgt, target, paths,
-                       report)
+    serve_with_engines(params, run_dirs, settings, prompts, tgt, target, paths, report)
     return rows
 
 
@@ -229,7 +228,7 @@ def baseline_methods(tgt, params: E2EParams, eos: int | None) -> dict[str, Calla
 
 
 def tune_drafters(run_dirs: list[Path], tgt, params: E2EParams, eos: int | None, tune_prompts: list,
-                  methods: dict[str, Callable], root: Path, bar) -> tuple[list[tuple], dict[int, dict]]:
+                  methods: dict[str, Callable], root: Path, bar) -> tuple[list[tuple], list[dict]]:
     """Load every drafter, pick its fastest candidate tree on `tune_prompts` and add its methods (tuned, paper's
     tree) to `methods`; returns the plan [(method, setting, tree kind, tree, lookup)] and each drafter's row
     fields."""
@@ -242,7 +241,7 @@ def tune_drafters(run_dirs: list[Path], tgt, params: E2EParams, eos: int | None,
     block_candidates = [TreeSpec.of(t) for t in params.block_tree_candidates]
     lookups = [0] + ([params.lookup_tokens] if params.lookup_tokens else [])
     plan: list[tuple[str, dict, str, Any, int]] = []
-    settings: dict[int, dict] = {}
+    settings: list[dict] = []
     k = len(tune_prompts)
     # a drafter with one candidate tree has nothing to choose between: it is not decoded to be tuned
     tunes = sum(n for n in (len(block_candidates) if ckpt.variant_of(r) == "block" else len(candidates)
@@ -252,7 +251,8 @@ def tune_drafters(run_dirs: list[Path], tgt, params: E2EParams, eos: int | None,
         drafter, config = ckpt.load_drafter(run_dir, tgt)
         if params.drafter_weights == "int8":
             drafter = quantize_linears_int8(drafter)
-        setting = settings[i] = _setting(run_dir, config, root)
+        setting = _setting(run_dir, config, root)
+        settings.append(setting)
         own = block_candidates if drafter.config.variant == "block" else candidates
         for lookup in lookups:
             if not own:
