@@ -1,9 +1,11 @@
 """A serving engine beside kvshot's own decoding: vLLM (its CPU build) serves each drafter it can load.
 
-For `e2e.engines: [kvshot, vllm]` the e2e stage hands its measured prompts and drafters here. Each drafter vLLM can
-serve (an EAGLE-3 head: `export.EXPORTABLE_VARIANTS`) is exported in the `eagle3` format beside the target saved
-as the weights it was trained against (`export_verifier.save_verifier`), and vLLM decodes the prompts greedily one
-at a time (batch 1, as kvshot's loop), plainly and with the drafter at each of `e2e.engine_draft_tokens`. kvshot
+For `e2e.engines: [kvshot, vllm]` the e2e stage hands its measured prompts and drafters here. vLLM serves the target
+saved as the weights the drafters were trained against (`export_verifier.save_verifier`) and decodes the prompts
+greedily one at a time (batch 1, as kvshot's loop), plainly and with each drafter it can serve at each of
+`e2e.engine_draft_tokens`: an EAGLE-3 head (`export.EXPORTABLE_VARIANTS`) exported in the `eagle3` format, a KV-only
+drafter through kvshot's `custom_class` proposer (`stages/vllm_kv_proposer.py`: eager, compared with a plain run
+that is eager too). kvshot
 decodes the same prompts with the same drafter as a chain of as many draft tokens (`TreeSpec.chain`) and plainly.
 Both ignore the end-of-sequence token, so every prompt yields `max_new_tokens` in both engines.
 
@@ -11,7 +13,7 @@ Per drafter and draft length one row (metrics/engine.json): lossless (vLLM's out
 token-identical to its own plain greedy), the engine's mean acceptance length and per-position acceptance from its
 counters beside kvshot's chain acceptance on the same prompts, tokens/s and speedup of each engine over its own
 plain decoding, and every prompt's sums for the report's intervals. A drafter vLLM cannot load (it reads the
-target's KV: docs/export.md says what stops it) gets a row saying so.
+target's hidden states and KV, or drafts blocks: docs/export.md says what stops it) gets a row saying so.
 """
 from __future__ import annotations
 
@@ -25,8 +27,9 @@ from stages.engine_report import ENGINE_METRICS
 
 RUNNER = Path(__file__).resolve().parent / "vllm_generate.py"
 ENGINE_TIMEOUT_S = 3600
-NOT_SERVED = ("an engine serves EAGLE-3 heads only: vLLM picks a KV-sharing draft model for Gemma 4's MTP "
-              "drafters alone (docs/export.md, A KV-reading drafter in vLLM)")
+NOT_SERVED = ("vLLM serves EAGLE-3 heads (eagle3 export) and KV-only drafters (kvshot's custom_class proposer); "
+              "a proposer is handed no hidden states, so drafters reading them with the KV (hybrid, cross_only) or "
+              "drafting blocks are not served (docs/export.md, KV-reading drafters in vLLM)")
 
 
 def per_position(accept_lengths: list[int], k: int) -> list[int]:
@@ -35,21 +38,27 @@ def per_position(accept_lengths: list[int], k: int) -> list[int]:
 
 
 def run_vllm(python: Path, out: Path, prompts_file: Path, model: Path, n_new: int, dtype: str,
-             draft: Path | None = None, k: int | None = None, eager: bool = False) -> dict:
-    """One vLLM process (stages/vllm_generate.py, batch 1): its JSON output; a StageError with its last words."""
+             draft: Path | None = None, k: int | None = None, eager: bool = False, kv_drafter: Path | None = None,
+             no_prefix_caching: bool = False) -> dict:
+    """One vLLM process (stages/vllm_generate.py, batch 1): its JSON output; a StageError with its last words.
+    `draft` an eagle3-format export, `kv_drafter` a spec file of a KV-reading drafter (stages/vllm_kv_proposer)."""
     from stages.engine_env import engine_env
 
     args = [str(python), str(RUNNER), "--model", str(model), "--prompts", str(prompts_file), "--max-tokens",
             str(n_new), "--dtype", dtype, "--max-model-len", "2048", "--one-by-one", "--out", str(out)]
     if draft is not None:
         args += ["--draft", str(draft), "--num-speculative-tokens", str(k)]
+    if kv_drafter is not None:
+        args += ["--kv-drafter", str(kv_drafter), "--num-speculative-tokens", str(k)]
     if eager:
         args.append("--enforce-eager")
+    if no_prefix_caching:
+        args.append("--no-prefix-caching")
     res = subprocess.run(args, capture_output=True, text=True, timeout=ENGINE_TIMEOUT_S, cwd=out.parent,
                          env=engine_env(python))
     if res.returncode != 0 or not out.is_file():
         tail = (res.stderr or res.stdout).strip().splitlines()[-3:]
-        raise StageError(f"e2e.engines=vllm: vLLM failed on {draft or model} (exit {res.returncode}): "
+        raise StageError(f"e2e.engines=vllm: vLLM failed on {draft or kv_drafter or model} (exit {res.returncode}): "
                          + " | ".join(tail))
     return json.loads(out.read_text())
 
@@ -100,6 +109,7 @@ def run_engines(draft_tokens: list[int], run_dirs: list[Path], settings: list[di
     from stages.code_hash import DECODE_CODE, code_hash
     from stages.engine_env import vllm_python
     from stages.export_verifier import save_verifier
+    from stages.vllm_kv_proposer import SERVED_VARIANTS, write_spec
 
     python = vllm_python()
     work = paths.root / "exports"
@@ -112,24 +122,38 @@ def run_engines(draft_tokens: list[int], run_dirs: list[Path], settings: list[di
     greedy = [greedy_generate(tgt, p, n_new) for p in prompts]
     common = {"dtype": dtype, "num_prompts": len(prompts), "max_new_tokens": n_new, "engine_eager": eager,
               "code": code_hash(patterns=DECODE_CODE)}
+    plain_kv = None      # the KV route's own plain run: eager and without prefix caching, as it decodes
     rows = []
     task = bar.add_task("e2e engine", total=len(run_dirs) * len(draft_tokens), unit="drafters") if bar else None
     for run_dir, setting in zip(run_dirs, settings):
-        if ckpt.variant_of(run_dir) not in ex.EXPORTABLE_VARIANTS:
+        variant = ckpt.variant_of(run_dir)
+        if variant not in ex.EXPORTABLE_VARIANTS + SERVED_VARIANTS:
             rows += [{**setting, **common, "engine": "vllm", "draft_tokens": k, "status": f"not served: {NOT_SERVED}"}
                      for k in draft_tokens]
             if bar:
                 bar.advance(task, len(draft_tokens))
             continue
         drafter, _ = ckpt.load_drafter(run_dir, tgt)
+        kv_route = variant in SERVED_VARIANTS
+        if kv_route and plain_kv is None:
+            plain_kv = run_vllm(python, work / f"vllm-plain-{dtype}-eager.json", prompts_file,
+                                Path(verifier.name_or_path), n_new, dtype, eager=True, no_prefix_caching=True)
         for k in draft_tokens:
-            out = work / f"{setting['trial']}-eagle3-k{k}"
-            ex.export(run_dir, "eagle3", out, verifier, dtype=dtype, overwrite=True, num_speculative_tokens=k)
-            spec = run_vllm(python, work / f"vllm-{setting['trial']}-k{k}.json", prompts_file,
-                            Path(verifier.name_or_path), n_new, dtype, draft=out, k=k, eager=eager)
+            if kv_route:
+                spec_file = write_spec(work / f"{setting['trial']}-kv-drafter.json", run_dir, tgt.kv_layers)
+                spec = run_vllm(python, work / f"vllm-{setting['trial']}-k{k}.json", prompts_file,
+                                Path(verifier.name_or_path), n_new, dtype, k=k, kv_drafter=spec_file)
+            else:
+                out = work / f"{setting['trial']}-eagle3-k{k}"
+                ex.export(run_dir, "eagle3", out, verifier, dtype=dtype, overwrite=True, num_speculative_tokens=k)
+                spec = run_vllm(python, work / f"vllm-{setting['trial']}-k{k}.json", prompts_file,
+                                Path(verifier.name_or_path), n_new, dtype, draft=out, k=k, eager=eager)
             chain = [speculative_generate(tgt, p, n_new, DrafterProposer(drafter, tgt), TreeSpec.chain(k))
                      for p in prompts]
-            rows.append({**engine_row(setting, k, plain, spec, chain, greedy), **common})
+            route = {"engine_route": "KV proposer (eager)", "engine_eager": True} if kv_route \
+                else {"engine_route": "eagle3 export"}
+            rows.append({**engine_row(setting, k, plain_kv if kv_route else plain, spec, chain, greedy), **common,
+                         **route})
             if bar:
                 bar.advance(task)
     write_json_atomic(paths.root / ENGINE_METRICS, rows)

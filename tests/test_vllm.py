@@ -57,7 +57,7 @@ def served(tmp_path_factory):
     exports = {fmt: ex.export(run_dir, fmt, tmp / fmt, verifier, num_speculative_tokens=K) for fmt in ex.FORMATS}
     print(f"trained in {train_s:.1f} s; verifier {verifier.name_or_path}")
     return dict(python=python, prompts=prompts, target=tgt, run_dir=run_dir, exports=exports,
-                verifier=Path(verifier.name_or_path), tmp=tmp)
+                verifier=Path(verifier.name_or_path), tmp=tmp, convs=convs, params=params)
 
 
 def vllm_generate(served, name: str, *args: str) -> dict:
@@ -72,13 +72,14 @@ def vllm_generate(served, name: str, *args: str) -> dict:
     return json.loads(out.read_text())
 
 
-def kvshot_chain(served, fmt: str) -> list[list[int]]:
-    """kvshot's own chain decoding of the export (K draft tokens a round): its tokens and accepted lengths."""
+def kvshot_chain(served, fmt: str, run_dir: Path | None = None) -> list[list[int]]:
+    """kvshot's own chain decoding of the export (or of `run_dir`) (K draft tokens a round): its tokens and accepted
+    lengths."""
     from models.decoding import DrafterProposer, TreeSpec, speculative_generate
     from stages import checkpoint as ckpt
 
     tgt = served["target"]
-    drafter, _ = ckpt.load_drafter(served["exports"][fmt].out, tgt)
+    drafter, _ = ckpt.load_drafter(run_dir or served["exports"][fmt].out, tgt)
     return [speculative_generate(tgt, torch.tensor(p), NEW_TOKENS, DrafterProposer(drafter, tgt),
                                  TreeSpec(K - 1, 1, K + 1)) for p in served["prompts"]]
 
@@ -88,9 +89,14 @@ def per_position(accept_lengths: list[int]) -> tuple[int, list[int]]:
     return len(accept_lengths), [sum(1 for a in accept_lengths if a - 1 > i) for i in range(K)]
 
 
-def test_vllm_serves_the_export_losslessly_and_its_acceptance_is_kvshots(served):
+@pytest.fixture(scope="module")
+def plain(served) -> dict:
+    """vLLM's own greedy decoding of the two prompts (the reference every speculative run must equal)."""
+    return vllm_generate(served, "plain", "--model", str(served["verifier"]))
+
+
+def test_vllm_serves_the_export_losslessly_and_its_acceptance_is_kvshots(served, plain):
     t0 = time.perf_counter()
-    plain = vllm_generate(served, "plain", "--model", str(served["verifier"]))
     # the speculators format alone: vLLM reads the verifier (a local directory) and K from its config, offline (the
     # eagle3 format goes through the e2e stage, next test)
     spec = vllm_generate(served, "speculators", "--model", str(served["exports"]["speculators"].out))
@@ -157,4 +163,45 @@ def test_the_e2e_stage_serves_the_drafter_with_vllm_beside_kvshot(served, tmp_pa
     assert r["accepted_per_pos"][0] > 0.5 and abs(r["tau"] - r["kvshot_tau"]) <= 0.15, line
     assert len(r["per_prompt"]["drafts"]) == 2 and r["engine_version"]
     assert "## Serving engines" in "\n".join(engine_section(rows))
+    print(line)
+
+
+def test_vllm_serves_a_kv_only_drafter_through_kvshots_proposer(served, plain):
+    """A KV-only drafter (it reads the target's KV of `target.kv_layers`, no hidden states), trained like the EAGLE-3
+    head above, served by vLLM through `stages/vllm_kv_proposer.py` (a custom_class proposer that collects the
+    target's KV with hooks): lossless, and it accepts what kvshot's own chain decoding of the same drafter accepts."""
+    from stages.common import Paths
+    from stages.train import DrafterParams, TrainParams, online_source, run
+    from stages.vllm_kv_proposer import write_spec
+
+    tgt, tmp = served["target"], served["tmp"]
+    run_dir = tmp / "runs" / "engine" / "kv_only"
+    run(DrafterParams(variant="kv_only", draft_vocab_size=1024),
+        TrainParams(max_steps=24, batch_size=2, lr=3e-3, precision="fp32", log_every=100, checkpoint_every=100,
+                    warmup_ratio=0.1, ttt_steps=K), run_dir, Paths(run_dir.parent), lambda *a, **k: None,
+        target=served["params"], source=online_source(tgt, served["convs"]), loaded_target=tgt)
+    spec_file = write_spec(tmp / "kv-drafter.json", run_dir, tgt.kv_layers)
+    t0 = time.perf_counter()
+    spec = vllm_generate(served, "kv", "--model", str(served["verifier"]), "--kv-drafter", str(spec_file),
+                         "--num-speculative-tokens", str(K), "--one-by-one")
+    engine_s = time.perf_counter() - t0
+    assert spec["speculative"]["method"] == "custom_class" and spec["speculative"]["num_speculative_tokens"] == K
+    assert spec["tokens"] == plain["tokens"] and all(len(t) == NEW_TOKENS for t in spec["tokens"])   # lossless
+    c = spec["counters"]
+    assert c["drafts"] and c["draft_tokens"] == K * c["drafts"] and sum(c["accepted_per_pos"]) == c["accepted_tokens"]
+    vllm_pos = [a / c["drafts"] for a in c["accepted_per_pos"]]
+    vllm_tau = 1 + c["accepted_tokens"] / c["drafts"]
+    ours = kvshot_chain(served, "", run_dir)
+    assert [r.tokens for r in ours] == plain["tokens"]
+    rounds, pos = per_position([a for r in ours for a in r.accept_lengths])
+    kv_pos = [p / rounds for p in pos]
+    kv_tau = sum(a for r in ours for a in r.accept_lengths) / rounds
+    line = (f"kv_only in vLLM: τ {vllm_tau:.3f} over {c['drafts']} drafts, per position {[round(p, 3) for p in vllm_pos]};"
+            f" kvshot {kv_tau:.3f} over {rounds} rounds, {[round(p, 3) for p in kv_pos]}; "
+            f"{spec['generated'] / spec['seconds']:.1f} tok/s (eager, batch 1); engine run {engine_s:.0f} s")
+    # trained on these answers, a drafter handed the right KV at the right positions is accepted most of the time;
+    # one handed other positions' KV (or none) is not
+    assert vllm_pos[0] > 0.5, line
+    assert abs(c["drafts"] - rounds) <= 2, line
+    assert abs(vllm_tau - kv_tau) <= 0.15 and all(abs(a - b) <= 0.11 for a, b in zip(vllm_pos, kv_pos)), line
     print(line)
