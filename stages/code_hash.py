@@ -49,7 +49,7 @@ DECODE_CODE: tuple[str, ...] = (
     "stages/engine_env.py",
     "stages/engine_report.py",   # the engine rows' file name
     "stages/vllm_generate.py",   # run by path in the engine's own environment
-    "stages/vllm_kv_proposer.py",  # the KV drafter's proposer inside the engine
+    "stages/vllm_proposer.py",    # kvshot's drafters as a proposer inside the engine
 )
 
 

@@ -42,8 +42,9 @@ class E2EParams(Section):
     lookup_tokens: int = Field(0, ge=0)   # n-gram lookup branch grafted onto each drafter's tree (0: none)
     lookup_ngram: int = Field(3, ge=1)    # longest n-gram the lookup matches
     drafter_weights: Literal["native", "int8"] = "native"   # int8: the drafters' linears weight-only int8
-    # serving engines beside kvshot's own loop: vllm serves every EAGLE-3 head with vLLM's CPU build (its own
-    # environment, built once in scratch/vllm-env) at each of engine_draft_tokens -> metrics/engine.json
+    # serving engines beside kvshot's own loop: vllm serves every drafter with vLLM's CPU build (EAGLE-3 heads by
+    # their export, the others through kvshot's proposer; its own environment, built once in scratch/vllm-env) at
+    # each of engine_draft_tokens -> metrics/engine.json
     engines: list[Literal["kvshot", "vllm"]] = ["kvshot"]
     engine_draft_tokens: list[int] = [3]
     engine_eager: bool = False            # skip vLLM's torch.compile: starts in seconds, decodes slower
@@ -201,11 +202,11 @@ def run(params: E2EParams, run_dirs, paths: Paths, report: Report, *, target: Ta
 
 def drafted(tgt, params: E2EParams, eos: int | None, drafter, spec, lookup: int) -> Callable:
     """decode(prompt) with `drafter` proposing `spec`'s tree (and, with `lookup`, an n-gram branch beside it)."""
-    from models.decoding import DrafterProposer, LookupProposer, speculative_generate
-    from models.decoding.block_proposer import BlockProposer
+    from models.decoding import LookupProposer, speculative_generate
+    from stages.vllm_proposer import kvshot_proposer
 
     def decode(p):
-        inner = BlockProposer(drafter, tgt) if drafter.config.variant == "block" else DrafterProposer(drafter, tgt)
+        inner = kvshot_proposer(drafter, tgt)
         proposer = LookupProposer(inner, lookup, params.lookup_ngram) if lookup else inner
         return speculative_generate(tgt, p, params.max_new_tokens, proposer, spec, eos_token_id=eos)
     return decode

@@ -4,16 +4,15 @@ For `e2e.engines: [kvshot, vllm]` the e2e stage hands its measured prompts and d
 saved as the weights the drafters were trained against (`export_verifier.save_verifier`) and decodes the prompts
 greedily one at a time (batch 1, as kvshot's loop), plainly and with each drafter it can serve at each of
 `e2e.engine_draft_tokens`: an EAGLE-3 head (`export.EXPORTABLE_VARIANTS`) exported in the `eagle3` format, a KV-only
-drafter through kvshot's `custom_class` proposer (`stages/vllm_kv_proposer.py`: eager, compared with a plain run
-that is eager too). kvshot
+any other drafter (KV-only, hybrid, cross-only, block) through kvshot's `custom_class` proposer
+(`stages/vllm_proposer.py`: eager, compared with a plain run that is eager too). kvshot
 decodes the same prompts with the same drafter as a chain of as many draft tokens (`TreeSpec.chain`) and plainly.
 Both ignore the end-of-sequence token, so every prompt yields `max_new_tokens` in both engines.
 
 Per drafter and draft length one row (metrics/engine.json): lossless (vLLM's output with the drafter
 token-identical to its own plain greedy), the engine's mean acceptance length and per-position acceptance from its
 counters beside kvshot's chain acceptance on the same prompts, tokens/s and speedup of each engine over its own
-plain decoding, and every prompt's sums for the report's intervals. A drafter vLLM cannot load (it reads the
-target's hidden states and KV, or drafts blocks: docs/export.md says what stops it) gets a row saying so.
+plain decoding, and every prompt's sums for the report's intervals.
 """
 from __future__ import annotations
 
@@ -27,9 +26,8 @@ from stages.engine_report import ENGINE_METRICS
 
 RUNNER = Path(__file__).resolve().parent / "vllm_generate.py"
 ENGINE_TIMEOUT_S = 3600
-NOT_SERVED = ("vLLM serves EAGLE-3 heads (eagle3 export) and KV-only drafters (kvshot's custom_class proposer); "
-              "a proposer is handed no hidden states, so drafters reading them with the KV (hybrid, cross_only) or "
-              "drafting blocks are not served (docs/export.md, KV-reading drafters in vLLM)")
+NOT_SERVED = "no drafter variant recorded in its config.json"
+PROPOSER_ROUTE = "kvshot proposer (eager)"
 
 
 def per_position(accept_lengths: list[int], k: int) -> list[int]:
@@ -38,18 +36,19 @@ def per_position(accept_lengths: list[int], k: int) -> list[int]:
 
 
 def run_vllm(python: Path, out: Path, prompts_file: Path, model: Path, n_new: int, dtype: str,
-             draft: Path | None = None, k: int | None = None, eager: bool = False, kv_drafter: Path | None = None,
+             draft: Path | None = None, k: int | None = None, eager: bool = False, kvshot_drafter: Path | None = None,
              no_prefix_caching: bool = False) -> dict:
     """One vLLM process (stages/vllm_generate.py, batch 1): its JSON output; a StageError with its last words.
-    `draft` an eagle3-format export, `kv_drafter` a spec file of a KV-reading drafter (stages/vllm_kv_proposer)."""
+    `draft` an eagle3-format export, `kvshot_drafter` a spec file of a drafter for kvshot's proposer
+    (stages/vllm_proposer.py)."""
     from stages.engine_env import engine_env
 
     args = [str(python), str(RUNNER), "--model", str(model), "--prompts", str(prompts_file), "--max-tokens",
             str(n_new), "--dtype", dtype, "--max-model-len", "2048", "--one-by-one", "--out", str(out)]
     if draft is not None:
         args += ["--draft", str(draft), "--num-speculative-tokens", str(k)]
-    if kv_drafter is not None:
-        args += ["--kv-drafter", str(kv_drafter), "--num-speculative-tokens", str(k)]
+    if kvshot_drafter is not None:
+        args += ["--kvshot-drafter", str(kvshot_drafter), "--num-speculative-tokens", str(k)]
     if eager:
         args.append("--enforce-eager")
     if no_prefix_caching:
@@ -58,7 +57,7 @@ def run_vllm(python: Path, out: Path, prompts_file: Path, model: Path, n_new: in
                          env=engine_env(python))
     if res.returncode != 0 or not out.is_file():
         tail = (res.stderr or res.stdout).strip().splitlines()[-3:]
-        raise StageError(f"e2e.engines=vllm: vLLM failed on {draft or kv_drafter or model} (exit {res.returncode}): "
+        raise StageError(f"e2e.engines=vllm: vLLM failed on {draft or kvshot_drafter or model} (exit {res.returncode}): "
                          + " | ".join(tail))
     return json.loads(out.read_text())
 
@@ -80,6 +79,11 @@ def engine_row(setting: dict, k: int, plain: dict, spec: dict, chain: list, gree
     tps, plain_tps = rate(spec["tokens"], spec["seconds"]), rate(plain["tokens"], plain["seconds"])
     kv_tps = rate([r.tokens for r in chain], sum(r.seconds for r in chain))
     kv_plain = rate([r.tokens for r in greedy], sum(r.seconds for r in greedy))
+    # kvshot's proposer inside vLLM reports its own time (hooks copying the target's tensors, drafting); an eagle3
+    # export's drafting is inside vLLM's step and not separable
+    proposer = [(p["counters"].get("proposer_hook_s"), p["counters"].get("proposer_draft_s"))
+                for p in spec["per_prompt"]]
+    timed = all(h is not None for h, _ in proposer)
     return {**setting, "engine": "vllm", "engine_version": spec.get("vllm"), "draft_tokens": k,
             "status": "ok", "lossless": all(identical), "exact_match": sum(identical) / len(identical),
             "same_as_kvshot_greedy": sum(a == list(r.tokens) for a, r in zip(plain["tokens"], greedy)) / len(greedy),
@@ -89,13 +93,19 @@ def engine_row(setting: dict, k: int, plain: dict, spec: dict, chain: list, gree
             "kvshot_accepted_per_pos": [a / sum(rounds) for a in kv_pos] if sum(rounds) else [0.0] * k,
             "tokens_per_s": tps, "plain_tokens_per_s": plain_tps, "speedup": tps / plain_tps,
             "kvshot_tokens_per_s": kv_tps, "kvshot_greedy_tokens_per_s": kv_plain, "kvshot_speedup": kv_tps / kv_plain,
+            "proposer_share": sum(h + d for h, d in proposer) / spec["seconds"] if timed else None,
+            "kvshot_draft_share": sum(r.draft_seconds for r in chain) / sum(r.seconds for r in chain),
             "per_prompt": {"drafts": drafts, "accepted": accepted,
                            "seconds": [p["seconds"] for p in spec["per_prompt"]],
                            "plain_seconds": [p["seconds"] for p in plain["per_prompt"]],
                            "tokens": [len(t) for t in spec["tokens"]], "kvshot_rounds": rounds,
                            "kvshot_accepted": [n - r for n, r in zip(lengths, rounds)],
                            "kvshot_seconds": [round(r.seconds, 6) for r in chain],
-                           "kvshot_greedy_seconds": [round(r.seconds, 6) for r in greedy]}}
+                           "kvshot_greedy_seconds": [round(r.seconds, 6) for r in greedy],
+                           "kvshot_draft_seconds": [round(r.draft_seconds, 6) for r in chain],
+                           "kvshot_verify_seconds": [round(r.verify_seconds, 6) for r in chain],
+                           **({"proposer_hook_seconds": [round(h, 6) for h, _ in proposer],
+                               "proposer_draft_seconds": [round(d, 6) for _, d in proposer]} if timed else {})}}
 
 
 def run_engines(draft_tokens: list[int], run_dirs: list[Path], settings: list[dict], prompts: list, tgt: Any,
@@ -103,13 +113,13 @@ def run_engines(draft_tokens: list[int], run_dirs: list[Path], settings: list[di
                 eager: bool = False) -> list[dict]:
     """Every drafter in `run_dirs` (with its e2e `settings` row fields) served by vLLM at each draft length and
     decoded by kvshot alike on `prompts` (token-id tensors); writes and returns metrics/engine.json's rows."""
-    from models.decoding import DrafterProposer, TreeSpec, greedy_generate, speculative_generate
+    from models.decoding import TreeSpec, greedy_generate, speculative_generate
     from stages import checkpoint as ckpt
     from stages import export as ex
     from stages.code_hash import DECODE_CODE, code_hash
     from stages.engine_env import vllm_python
     from stages.export_verifier import save_verifier
-    from stages.vllm_kv_proposer import SERVED_VARIANTS, write_spec
+    from stages.vllm_proposer import SERVED_VARIANTS, kvshot_proposer, write_spec
 
     python = vllm_python()
     work = paths.root / "exports"
@@ -122,7 +132,7 @@ def run_engines(draft_tokens: list[int], run_dirs: list[Path], settings: list[di
     greedy = [greedy_generate(tgt, p, n_new) for p in prompts]
     common = {"dtype": dtype, "num_prompts": len(prompts), "max_new_tokens": n_new, "engine_eager": eager,
               "code": code_hash(patterns=DECODE_CODE)}
-    plain_kv = None      # the KV route's own plain run: eager and without prefix caching, as it decodes
+    plain_eager = None   # the proposer route's own plain run: eager and without prefix caching, as it decodes
     rows = []
     task = bar.add_task("e2e engine", total=len(run_dirs) * len(draft_tokens), unit="drafters") if bar else None
     for run_dir, setting in zip(run_dirs, settings):
@@ -134,25 +144,26 @@ def run_engines(draft_tokens: list[int], run_dirs: list[Path], settings: list[di
                 bar.advance(task, len(draft_tokens))
             continue
         drafter, _ = ckpt.load_drafter(run_dir, tgt)
-        kv_route = variant in SERVED_VARIANTS
-        if kv_route and plain_kv is None:
-            plain_kv = run_vllm(python, work / f"vllm-plain-{dtype}-eager.json", prompts_file,
-                                Path(verifier.name_or_path), n_new, dtype, eager=True, no_prefix_caching=True)
+        own_route = variant in SERVED_VARIANTS
+        if own_route and plain_eager is None:
+            plain_eager = run_vllm(python, work / f"vllm-plain-{dtype}-eager.json", prompts_file,
+                                   Path(verifier.name_or_path), n_new, dtype, eager=True, no_prefix_caching=True)
         for k in draft_tokens:
-            if kv_route:
-                spec_file = write_spec(work / f"{setting['trial']}-kv-drafter.json", run_dir, tgt.kv_layers)
+            if own_route:
+                spec_file = write_spec(work / f"{setting['trial']}-drafter.json", run_dir, tgt.kv_layers,
+                                       tgt.feature_layers)
                 spec = run_vllm(python, work / f"vllm-{setting['trial']}-k{k}.json", prompts_file,
-                                Path(verifier.name_or_path), n_new, dtype, k=k, kv_drafter=spec_file)
+                                Path(verifier.name_or_path), n_new, dtype, k=k, kvshot_drafter=spec_file)
             else:
                 out = work / f"{setting['trial']}-eagle3-k{k}"
                 ex.export(run_dir, "eagle3", out, verifier, dtype=dtype, overwrite=True, num_speculative_tokens=k)
                 spec = run_vllm(python, work / f"vllm-{setting['trial']}-k{k}.json", prompts_file,
                                 Path(verifier.name_or_path), n_new, dtype, draft=out, k=k, eager=eager)
-            chain = [speculative_generate(tgt, p, n_new, DrafterProposer(drafter, tgt), TreeSpec.chain(k))
+            chain = [speculative_generate(tgt, p, n_new, kvshot_proposer(drafter, tgt), TreeSpec.chain(k))
                      for p in prompts]
-            route = {"engine_route": "KV proposer (eager)", "engine_eager": True} if kv_route \
+            route = {"engine_route": PROPOSER_ROUTE, "engine_eager": True} if own_route \
                 else {"engine_route": "eagle3 export"}
-            rows.append({**engine_row(setting, k, plain_kv if kv_route else plain, spec, chain, greedy), **common,
+            rows.append({**engine_row(setting, k, plain_eager if own_route else plain, spec, chain, greedy), **common,
                          **route})
             if bar:
                 bar.advance(task)

@@ -56,9 +56,9 @@ def engine_section(rows: list[dict] | None, level: float = 0.95) -> list[str]:
     ok = [r for r in rows if r.get("status") == "ok"]
     first = ok[0] if ok else rows[0]
     versions = sorted({str(r.get("engine_version")) for r in ok})
-    lead = (f"vLLM {', '.join(versions) or '?'} (CPU build) served each drafter it can serve (EAGLE-3 heads as an "
-            "eagle3 export; KV-only drafters through kvshot's custom_class proposer, eager, their speedup over an "
-            f"eager plain run) on the same {first.get('num_prompts')} prompts as kvshot ({first.get('max_new_tokens')} new tokens each, "
+    lead = (f"vLLM {', '.join(versions) or '?'} (CPU build) served each drafter (EAGLE-3 heads as an eagle3 "
+            "export; the others through kvshot's own proposer inside vLLM, eager, their speedup over an eager plain "
+            f"run) on the same {first.get('num_prompts')} prompts as kvshot ({first.get('max_new_tokens')} new tokens each, "
             f"{first.get('dtype')}, batch 1, end of sequence ignored). τ is the mean acceptance length (accepted "
             "drafts + 1 per verification round), per position in brackets; kvshot decodes the drafter as a chain of "
             "as many draft tokens. The difference carries a paired prompt-bootstrap interval: one that excludes 0 "

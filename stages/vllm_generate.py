@@ -9,8 +9,8 @@ configuration:
 
 `--model` is the target directory (plain decoding), or a `speculators`-format export (vLLM reads the verifier and
 the speculative settings from its config); `--draft DIR` adds an `eagle3`-format export as the speculative model;
-`--kv-drafter SPEC` serves a KV-reading drafter through kvshot's `custom_class` proposer
-(`stages/vllm_kv_proposer.py`, the one import from kvshot, made by vLLM's workers), eager and without prefix
+`--kvshot-drafter SPEC` serves any other kvshot drafter (KV-only, hybrid, cross-only, block) through kvshot's
+`custom_class` proposer (`stages/vllm_proposer.py`, the one import from kvshot, made by vLLM's workers), eager and without prefix
 caching (its hooks must see every token the target computes), one request at a time. `--no-prefix-caching` alone gives a plain run the
 same settings to compare with.
 `--prompts` is a JSON list of prompts, each a string or a list of token ids. The output JSON holds per prompt the
@@ -65,12 +65,24 @@ def total(values: list):
     return sum(present)
 
 
+def proposer_times() -> dict:
+    """What kvshot's proposer has spent so far (stages/vllm_proposer.py writes it after every step): seconds in its
+    hooks and in drafting, and steps; {} when no kvshot drafter is served."""
+    path = os.environ.get("KVSHOT_PROPOSER_TIMES")
+    try:
+        return json.loads(open(path).read()) if path else {}
+    except (OSError, json.JSONDecodeError):
+        return {}
+
+
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--model", required=True, help="target directory, or a speculators-format export")
     ap.add_argument("--draft", help="an eagle3-format export to speculate with (method eagle3)")
-    ap.add_argument("--kv-drafter", help="a JSON file naming a KV-reading drafter (stages/vllm_kv_proposer.py)")
-    ap.add_argument("--no-prefix-caching", action="store_true", help="recompute every prompt (as --kv-drafter does)")
+    ap.add_argument("--kvshot-drafter", help="a JSON file naming a kvshot drafter to serve through kvshot's proposer "
+                    "(stages/vllm_proposer.py)")
+    ap.add_argument("--no-prefix-caching", action="store_true",
+                    help="recompute every prompt (as --kvshot-drafter does)")
     ap.add_argument("--num-speculative-tokens", type=int, default=None,
                     help="draft tokens per step (with --draft: required; with a speculators export: overrides)")
     ap.add_argument("--prompts", required=True, help="JSON list of prompts: strings or lists of token ids")
@@ -85,11 +97,14 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return ap.parse_args(argv)
 
 
-def serve_kv_drafter(args: argparse.Namespace) -> None:
+def serve_kvshot_drafter(args: argparse.Namespace) -> None:
     """Settings of the KV route: the spec file and the repository for vLLM's workers (spawned: they read the
     environment), eager (the proposer's hooks), and every prompt computed (no prefix caching)."""
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    os.environ["KVSHOT_KV_DRAFTER"] = os.path.abspath(args.kv_drafter)
+    os.environ["KVSHOT_DRAFTER"] = os.path.abspath(args.kvshot_drafter)
+    os.environ["KVSHOT_PROPOSER_TIMES"] = times = os.path.abspath(args.out) + ".proposer.json"
+    if os.path.exists(times):
+        os.remove(times)
     os.environ["PYTHONPATH"] = os.pathsep.join(p for p in (root, os.environ.get("PYTHONPATH")) if p)
     sys.path.insert(0, root)
     args.enforce_eager, args.no_prefix_caching = True, True
@@ -104,14 +119,14 @@ def main() -> None:
     spec = None
     if args.draft:
         spec = {"method": "eagle3", "model": args.draft, "num_speculative_tokens": args.num_speculative_tokens or 3}
-    elif args.kv_drafter:
-        serve_kv_drafter(args)
-        spec = {"method": "custom_class", "model": "stages.vllm_kv_proposer.KVDrafterProposer",
+    elif args.kvshot_drafter:
+        serve_kvshot_drafter(args)
+        spec = {"method": "custom_class", "model": "stages.vllm_proposer.KvshotProposer",
                 "num_speculative_tokens": args.num_speculative_tokens or 3}
     elif args.num_speculative_tokens:
         spec = {"num_speculative_tokens": args.num_speculative_tokens}
-    # batch 1 decodes one request at a time; the KV proposer keeps the target's KV by batch row, so it must too
-    extra = {"max_num_seqs": 1} if args.one_by_one or args.kv_drafter else {}
+    # batch 1 decodes one request at a time; kvshot's proposer keeps the target's KV by batch row, so it must too
+    extra = {"max_num_seqs": 1} if args.one_by_one or args.kvshot_drafter else {}
     prompts = json.load(open(args.prompts))
     inputs = [{"prompt_token_ids": p} if isinstance(p, list) else p for p in prompts]
     t0 = time.perf_counter()
@@ -123,13 +138,16 @@ def main() -> None:
     llm.generate(inputs[:1], SamplingParams(temperature=0.0, max_tokens=4), use_tqdm=False)   # warm-up
 
     def measured(batch: list) -> tuple[list, float, dict]:
-        """(token ids per prompt, seconds, counters) of one generate call: the counters it added, not the warm-up's"""
-        before = read_counters(llm.get_metrics())
+        """(token ids per prompt, seconds, counters) of one generate call: the counters it added, not the warm-up's
+        (with kvshot's proposer, its time among them)"""
+        before, times_before = read_counters(llm.get_metrics()), proposer_times()
         t0 = time.perf_counter()
         outs = llm.generate(batch, params, use_tqdm=False)
         seconds = time.perf_counter() - t0
-        after = read_counters(llm.get_metrics())
-        return [list(o.outputs[0].token_ids) for o in outs], seconds, {k: minus(after[k], before[k]) for k in after}
+        after, times_after = read_counters(llm.get_metrics()), proposer_times()
+        counters = {k: minus(after[k], before[k]) for k in after}
+        counters.update({f"proposer_{k}": v - times_before.get(k, 0) for k, v in times_after.items()})
+        return [list(o.outputs[0].token_ids) for o in outs], seconds, counters
 
     per_prompt = None
     if args.one_by_one:

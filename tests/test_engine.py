@@ -23,8 +23,9 @@ def vllm_out(tokens, drafts, accepted, per_pos, seconds):
             "counters": {"drafts": sum(drafts), "accepted_tokens": sum(accepted), "accepted_per_pos": per_pos}}
 
 
-def decoded(tokens, accept_lengths, seconds):
-    return SimpleNamespace(tokens=tokens, accept_lengths=accept_lengths, seconds=seconds)
+def decoded(tokens, accept_lengths, seconds, draft_seconds=0.0):
+    return SimpleNamespace(tokens=tokens, accept_lengths=accept_lengths, seconds=seconds,
+                           draft_seconds=draft_seconds, verify_seconds=seconds - draft_seconds)
 
 
 def test_accepted_drafts_per_position_from_accepted_lengths():
@@ -49,6 +50,21 @@ def test_a_row_compares_the_engines_on_the_same_prompts():
     lossy = engine_row({"trial": "eagle3"}, K, plain, vllm_out([a, b[:-1] + [0]], [3, 4], [3, 2], [2, 2, 1],
                                                                [0.5, 0.6]), chain, greedy)
     assert not lossy["lossless"] and lossy["exact_match"] == 0.5
+    # an eagle3 export's drafting is inside vLLM's step: no proposer time; kvshot's own split is always there
+    assert row["proposer_share"] is None and "proposer_draft_seconds" not in row["per_prompt"]
+
+
+def test_the_kvshot_proposers_own_time_is_split_out_of_vllms():
+    a = [1, 2, 3, 4, 5, 6]
+    plain = vllm_out([a], [0], [0], None, [1.0])
+    spec = vllm_out([a], [3], [3], [2, 1, 0], [0.8])
+    spec["per_prompt"][0]["counters"] |= {"proposer_hook_s": 0.1, "proposer_draft_s": 0.3, "proposer_steps": 4}
+    row = engine_row({"trial": "kv_only"}, K, plain, spec, [decoded(a, [4, 1, 1], 0.5, draft_seconds=0.2)],
+                     [decoded(a, [], 1.0)])
+    assert row["proposer_share"] == pytest.approx(0.4 / 0.8) and row["kvshot_draft_share"] == pytest.approx(0.2 / 0.5)
+    assert row["per_prompt"]["proposer_hook_seconds"] == [0.1] and row["per_prompt"]["proposer_draft_seconds"] == [0.3]
+    assert row["per_prompt"]["kvshot_draft_seconds"] == [0.2]
+    assert row["per_prompt"]["kvshot_verify_seconds"] == [0.3]
 
 
 def test_the_report_table_shows_both_acceptances_with_the_interval_of_their_difference():
@@ -92,12 +108,14 @@ def test_study_results_merges_engine_rows_like_e2e_rows(tmp_path):
     assert ENGINE_METRICS.as_posix() == "metrics/engine.json"
 
 
-def test_run_engines_serves_kv_only_through_the_kv_proposer_and_says_why_not_for_hybrid(tmp_path, embedded_target,
-                                                                                        monkeypatch):
+def test_run_engines_serves_eagle3_by_export_and_every_other_drafter_through_kvshots_proposer(tmp_path,
+                                                                                             embedded_target,
+                                                                                             monkeypatch):
     """The routing of the e2e stage's engine part, with vLLM's process replaced by one that returns kvshot's greedy
-    tokens: an EAGLE-3 head goes through an eagle3 export beside the compiled plain run; a KV-only drafter through
-    the KV proposer's spec file, beside a plain run that is eager and recomputes every prompt as that route does;
-    a hybrid gets a row saying why it is not served. (vLLM itself serves them in tests/test_vllm.py, slow.)"""
+    tokens: an EAGLE-3 head goes through an eagle3 export beside the compiled plain run; a KV-only drafter and a
+    hybrid through kvshot's proposer (a spec file naming the run and the target layers it reads), beside one plain
+    run that is eager and recomputes every prompt as that route does. (vLLM itself serves them in
+    tests/test_vllm.py, slow.)"""
     import torch
 
     from models.decoding import greedy_generate
@@ -119,9 +137,9 @@ def test_run_engines_serves_kv_only_through_the_kv_proposer_and_says_why_not_for
         save_run(runs[-1], {"drafter": cfg.to_dict()}, trainable_weights(Drafter(cfg)))
     calls = []
 
-    def fake_vllm(python, out, prompts_file, model, n, dtype, draft=None, k=None, eager=False, kv_drafter=None,
+    def fake_vllm(python, out, prompts_file, model, n, dtype, draft=None, k=None, eager=False, kvshot_drafter=None,
                   no_prefix_caching=False):
-        calls.append({"draft": draft, "k": k, "eager": eager, "kv_drafter": kv_drafter, "fresh": no_prefix_caching})
+        calls.append({"draft": draft, "k": k, "eager": eager, "spec": kvshot_drafter, "fresh": no_prefix_caching})
         counters = {"drafts": 2, "accepted_tokens": 1, "draft_tokens": 2 * (k or 0),
                     "accepted_per_pos": [1] + [0] * ((k or 1) - 1)}
         return {"tokens": tokens, "seconds": 1.0, "vllm": "0.32.0", "counters": counters,
@@ -135,12 +153,14 @@ def test_run_engines_serves_kv_only_through_the_kv_proposer_and_says_why_not_for
     settings = [{"trial": r.name, "study": "block"} for r in runs]
     rows = engine.run_engines([2], runs, settings, prompts, tgt, TargetParams(), "bfloat16", n_new, Paths(tmp_path))
     by = {r["trial"]: r for r in rows}
-    assert by["eagle3"]["engine_route"] == "eagle3 export" and by["kv_only"]["engine_route"] == "KV proposer (eager)"
-    assert by["hybrid"]["status"].startswith("not served") and "hidden states" in by["hybrid"]["status"]
-    plain, eagle, plain_kv, kv = calls
-    assert plain["draft"] is None and plain["kv_drafter"] is None and not plain["fresh"]
+    assert by["eagle3"]["engine_route"] == "eagle3 export"
+    assert by["kv_only"]["engine_route"] == by["hybrid"]["engine_route"] == engine.PROPOSER_ROUTE
+    plain, eagle, plain_eager, kv, hybrid = calls
+    assert plain["draft"] is None and plain["spec"] is None and not plain["fresh"]
     assert eagle["draft"] is not None and eagle["k"] == 2
-    assert plain_kv["eager"] and plain_kv["fresh"] and plain_kv["kv_drafter"] is None
-    spec = json.loads(Path(kv["kv_drafter"]).read_text())
-    assert kv["k"] == 2 and spec == {"run_dir": str(runs[1].resolve()), "kv_layers": list(tgt.kv_layers)}
-    assert by["kv_only"]["lossless"] and by["kv_only"]["kvshot_tau"] >= 1.0
+    assert plain_eager["eager"] and plain_eager["fresh"] and plain_eager["spec"] is None
+    for call, run_dir in ((kv, runs[1]), (hybrid, runs[2])):
+        assert call["k"] == 2 and json.loads(Path(call["spec"]).read_text()) == {
+            "run_dir": str(run_dir.resolve()), "kv_layers": list(tgt.kv_layers),
+            "feature_layers": list(tgt.feature_layers)}
+    assert all(r["lossless"] and r["kvshot_tau"] >= 1.0 for r in rows)

@@ -289,7 +289,7 @@ def test_every_dvc_stage_lists_the_code_it_runs():
     decoded = {p.relative_to(ROOT).as_posix() for p in code_files(patterns=DECODE_CODE)}
     assert decoded - deps["e2e"] == set()
     assert decoded - hashed == {"stages/e2e.py", "stages/engine.py", "stages/engine_env.py", "stages/engine_report.py",
-                                "stages/vllm_generate.py", "stages/vllm_kv_proposer.py"}
+                                "stages/vllm_generate.py", "stages/vllm_proposer.py"}
 
 
 def test_the_code_hash_holds_the_code_a_trial_runs():

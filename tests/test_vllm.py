@@ -6,8 +6,9 @@ acceptance, not a pass). It is exported with `--save-verifier` (the target as th
 on, a local directory: vLLM runs offline) in both formats. vLLM decodes both prompts greedily, plainly and with the
 `speculators` export alone, and the e2e stage serves the `eagle3` export (`e2e.engines: [kvshot, vllm]`); the outputs
 must be token-identical (lossless), the acceptance counters of `llm.get_metrics()` must have been read, and vLLM's
-acceptance must agree with kvshot's own chain decoding of the same export on the same prompts. Everything runs in
-fp32 (bf16 rounds differently with the batch shape, so only fp32 is compared token for token).
+acceptance must agree with kvshot's own chain decoding of the same export on the same prompts. A KV-only drafter,
+trained alike, is served through kvshot's own proposer inside vLLM (`stages/vllm_proposer.py`) under the same
+checks. Everything runs in fp32 (bf16 rounds differently with the batch shape, so only fp32 is compared token for token).
 """
 from __future__ import annotations
 
@@ -168,11 +169,11 @@ def test_the_e2e_stage_serves_the_drafter_with_vllm_beside_kvshot(served, tmp_pa
 
 def test_vllm_serves_a_kv_only_drafter_through_kvshots_proposer(served, plain):
     """A KV-only drafter (it reads the target's KV of `target.kv_layers`, no hidden states), trained like the EAGLE-3
-    head above, served by vLLM through `stages/vllm_kv_proposer.py` (a custom_class proposer that collects the
+    head above, served by vLLM through `stages/vllm_proposer.py` (a custom_class proposer that collects the
     target's KV with hooks): lossless, and it accepts what kvshot's own chain decoding of the same drafter accepts."""
     from stages.common import Paths
     from stages.train import DrafterParams, TrainParams, online_source, run
-    from stages.vllm_kv_proposer import write_spec
+    from stages.vllm_proposer import write_spec
 
     tgt, tmp = served["target"], served["tmp"]
     run_dir = tmp / "runs" / "engine" / "kv_only"
@@ -180,15 +181,17 @@ def test_vllm_serves_a_kv_only_drafter_through_kvshots_proposer(served, plain):
         TrainParams(max_steps=24, batch_size=2, lr=3e-3, precision="fp32", log_every=100, checkpoint_every=100,
                     warmup_ratio=0.1, ttt_steps=K), run_dir, Paths(run_dir.parent), lambda *a, **k: None,
         target=served["params"], source=online_source(tgt, served["convs"]), loaded_target=tgt)
-    spec_file = write_spec(tmp / "kv-drafter.json", run_dir, tgt.kv_layers)
+    spec_file = write_spec(tmp / "kv-drafter.json", run_dir, tgt.kv_layers, tgt.feature_layers)
     t0 = time.perf_counter()
-    spec = vllm_generate(served, "kv", "--model", str(served["verifier"]), "--kv-drafter", str(spec_file),
+    spec = vllm_generate(served, "kv", "--model", str(served["verifier"]), "--kvshot-drafter", str(spec_file),
                          "--num-speculative-tokens", str(K), "--one-by-one")
     engine_s = time.perf_counter() - t0
     assert spec["speculative"]["method"] == "custom_class" and spec["speculative"]["num_speculative_tokens"] == K
     assert spec["tokens"] == plain["tokens"] and all(len(t) == NEW_TOKENS for t in spec["tokens"])   # lossless
     c = spec["counters"]
     assert c["drafts"] and c["draft_tokens"] == K * c["drafts"] and sum(c["accepted_per_pos"]) == c["accepted_tokens"]
+    # the proposer's own time reached the runner: one proposal per step (the final step's included), hooks and drafting
+    assert c["proposer_steps"] >= c["drafts"] and 0 < c["proposer_draft_s"] + c["proposer_hook_s"] < spec["seconds"]
     vllm_pos = [a / c["drafts"] for a in c["accepted_per_pos"]]
     vllm_tau = 1 + c["accepted_tokens"] / c["drafts"]
     ours = kvshot_chain(served, "", run_dir)
