@@ -130,25 +130,33 @@ def _trainable(config: dict, trials: dict[str, Trial], paths: Paths, trial_fn: T
     _tune_report("done", row=row, checkpoint_config=ckpt_config)
 
 
-# Tune pickles its callbacks with the experiment state; the live sink (an MLflow client) stays in this registry.
-_SINKS: dict[str, Forward] = {}
-
-
-def _callback(key: str):
+def _callback(forward: Forward):
     from ray.tune import Callback
 
     class ToSink(Callback):
-        # The registry is looked up at call time (by module), so pickling this class never captures it.
+        """Hands every trial's start and messages to the sweep's live sink. Tune pickles its callbacks with the
+        experiment (tuner.pkl, for `Tuner.restore`, which kvshot does not use: a killed sweep resumes by
+        fingerprint); the live sink (an MLflow client, the console) is left out of that copy."""
+
+        def __init__(self, sink: Forward | None):
+            super().__init__()
+            self.sink = sink
+
+        def __reduce__(self):
+            return _callback, (None,)
+
+        def __deepcopy__(self, memo):
+            return self          # a copy in this process keeps the live sink
+
         def on_trial_start(self, iteration, trials, trial, **info):
-            from pipeline.executor import _SINKS
-            _SINKS[key].start(trial.config["trial"])
+            if self.sink is not None:
+                self.sink.start(trial.config["trial"])
 
         def on_trial_result(self, iteration, trials, trial, result, **info):
-            from pipeline.executor import PAYLOAD, _SINKS
-            if PAYLOAD in result:
-                _SINKS[key].message(trial.config["trial"], json.loads(result[PAYLOAD]))
+            if self.sink is not None and PAYLOAD in result:
+                self.sink.message(trial.config["trial"], json.loads(result[PAYLOAD]))
 
-    return ToSink()
+    return ToSink(forward)
 
 
 def _row_status(result: dict | None) -> str | None:
@@ -227,7 +235,6 @@ def run_trials(todo: list[Trial], done: dict[str, dict], paths: Paths, cfg: Conf
     os.environ.setdefault("TUNE_DISABLE_AUTO_CALLBACK_LOGGERS", "1")
     os.environ.setdefault("RAY_AIR_NEW_OUTPUT", "0")
     by_name = {t.name: t for t in todo}
-    _SINKS[label] = forward
     resources = {"cpu": cfg.ray.cpus_per_trial, "gpu": cfg.ray.gpus_per_trial}
     trainable = tune.with_resources(
         tune.with_parameters(_trainable, trials=by_name, paths=paths, trial_fn=trial_fn), resources)
@@ -239,15 +246,12 @@ def run_trials(todo: list[Trial], done: dict[str, dict], paths: Paths, cfg: Conf
                                     trial_dirname_creator=lambda tr: tr.config["trial"],
                                     reuse_actors=True),
         run_config=tune.RunConfig(name=label, storage_path=str(paths.scratch / "tune"), verbose=0,
-                                  callbacks=[_callback(label)],
+                                  callbacks=[_callback(forward)],
                                   failure_config=tune.FailureConfig(max_failures=0)),
     )
     # Tune looks for per-trial result files we do not write (results go to MLflow): silence its warning.
     logging.getLogger("ray.tune.analysis.experiment_analysis").setLevel(logging.ERROR)
-    try:
-        grid = tuner.fit()
-    finally:
-        _SINKS.pop(label, None)
+    grid = tuner.fit()
     _record_unfinished(grid, todo, done, forward)
 
 
