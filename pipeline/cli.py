@@ -21,7 +21,8 @@ app = typer.Typer(add_completion=False, no_args_is_help=True, pretty_exceptions_
 console = Console(stderr=True)
 
 ProfileOpt = typer.Option(None, "--profile", "-p", help="Profile name (profiles/NAME.yaml), 'default', or a YAML path.")
-RootOpt = typer.Option(Path("."), "--root", help="Workspace root holding data/, runs/, metrics/ (DVC runs stages here).")
+RootOpt = typer.Option(Path("."), "--root",
+                       help="Workspace root holding data/, runs/, metrics/ (DVC runs stages here).")
 PartOpt = typer.Option(None, "--part", help="Only this named part of the study (`studies.STUDY.parts`; `kvshot "
                        "sweep --study STUDY --dry-run` lists them).")
 OverridesArg = typer.Argument(None, help="Overrides KEY=VALUE, e.g. depth=2 train.lr=1e-4 "
@@ -143,7 +144,8 @@ def train(overrides: Optional[list[str]] = OverridesArg, profile: Optional[str] 
 
 @app.command()
 def evaluate(overrides: Optional[list[str]] = OverridesArg, profile: Optional[str] = ProfileOpt,
-             root: Path = RootOpt, study: str = typer.Option("adhoc", help="Evaluate every trained drafter of this study.")):
+             root: Path = RootOpt,
+             study: str = typer.Option("adhoc", help="Evaluate every trained drafter of this study.")):
     """Step-wise acceptance of a study's trained drafters -> metrics/stepwise/<study>.json."""
     def body():
         from pipeline.standalone import evaluate_study

@@ -85,9 +85,13 @@ class Forward:
         ok = row["status"] == "ok"
         self.progress.finished(name, ok)
         style = "green" if ok else "red"
+
+        def number(key: str) -> bool:
+            return isinstance(row.get(key), (int, float))
+
         detail = (f"step MAT {row['step_mat']:.3f}, chain MAT {row['chain_mat']:.3f}"
-                  if ok and isinstance(row.get("step_mat"), (int, float)) and isinstance(row.get("chain_mat"), (int, float))
-                  else f"MAT {row['mat']:.3f}" if ok and isinstance(row.get("mat"), (int, float)) else row.get("error", ""))
+                  if ok and number("step_mat") and number("chain_mat")
+                  else f"MAT {row['mat']:.3f}" if ok and number("mat") else row.get("error", ""))
         self.console.print(f"[{style}]{row['status']}[/] {self.trials[name].study}/{name} {detail}")
         line = self.progress.line()
         if line:

@@ -171,9 +171,9 @@ def chain_table(settings: list[Setting], level: float) -> str:
         records.append(rec)
     text = md_table(pd.DataFrame.from_records(records))
     if few:
-        text += (f"\n\nfew chains (n=…): α_k is measured on the chains still alive at step k; on fewer than "
-                 f"{FEW_CHAINS} its value is too uncertain to show (and so is the chain retention α_6/α_0), the count "
-                 "is shown instead.")
+        text += ("\n\nfew chains (n=…): α_k is measured on the chains still alive at step k; on fewer than "
+                 f"{FEW_CHAINS} its value is too uncertain to show (and so is the chain retention α_6/α_0), the "
+                 "count is shown instead.")
     return text
 
 

@@ -259,8 +259,8 @@ class Resampler:
         counts = s.counts.select(list(ids)).by_seed()
         labels = counts.pairable_seeds
         seed_w = self.weights(labels, kind="seeds") if labels and len(labels) > 1 else None
-        s.draws = resample(counts, self.weights(ids), seed_w,
-                           self._rng("seeds", s.study, *map(str, s.fields.values()), json.dumps(s.extra, sort_keys=True)))
+        rng = self._rng("seeds", s.study, *map(str, s.fields.values()), json.dumps(s.extra, sort_keys=True))
+        s.draws = resample(counts, self.weights(ids), seed_w, rng)
 
 
 def settings_of(study: str, rows: list[dict], resampler: Resampler) -> list[Setting]:
