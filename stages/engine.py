@@ -57,8 +57,8 @@ def run_vllm(python: Path, out: Path, prompts_file: Path, model: Path, n_new: in
                          env=engine_env(python))
     if res.returncode != 0 or not out.is_file():
         tail = (res.stderr or res.stdout).strip().splitlines()[-3:]
-        raise StageError(f"e2e.engines=vllm: vLLM failed on {draft or kvshot_drafter or model} (exit {res.returncode}): "
-                         + " | ".join(tail))
+        raise StageError(f"e2e.engines=vllm: vLLM failed on {draft or kvshot_drafter or model} "
+                         f"(exit {res.returncode}): " + " | ".join(tail))
     return json.loads(out.read_text())
 
 

@@ -58,7 +58,8 @@ def engine_section(rows: list[dict] | None, level: float = 0.95) -> list[str]:
     versions = sorted({str(r.get("engine_version")) for r in ok})
     lead = (f"vLLM {', '.join(versions) or '?'} (CPU build) served each drafter (EAGLE-3 heads as an eagle3 "
             "export; the others through kvshot's own proposer inside vLLM, eager, their speedup over an eager plain "
-            f"run) on the same {first.get('num_prompts')} prompts as kvshot ({first.get('max_new_tokens')} new tokens each, "
+            f"run) on the same {first.get('num_prompts')} prompts as kvshot ({first.get('max_new_tokens')} new "
+            "tokens each, "
             f"{first.get('dtype')}, batch 1, end of sequence ignored). τ is the mean acceptance length (accepted "
             "drafts + 1 per verification round), per position in brackets; kvshot decodes the drafter as a chain of "
             "as many draft tokens. The difference carries a paired prompt-bootstrap interval: one that excludes 0 "

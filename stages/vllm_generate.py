@@ -10,9 +10,9 @@ configuration:
 `--model` is the target directory (plain decoding), or a `speculators`-format export (vLLM reads the verifier and
 the speculative settings from its config); `--draft DIR` adds an `eagle3`-format export as the speculative model;
 `--kvshot-drafter SPEC` serves any other kvshot drafter (KV-only, hybrid, cross-only, block) through kvshot's
-`custom_class` proposer (`stages/vllm_proposer.py`, the one import from kvshot, made by vLLM's workers), eager and without prefix
-caching (its hooks must see every token the target computes), one request at a time. `--no-prefix-caching` alone gives a plain run the
-same settings to compare with.
+`custom_class` proposer (`stages/vllm_proposer.py`, the one import from kvshot, made by vLLM's workers), eager
+and without prefix caching (its hooks must see every token the target computes), one request at a time.
+`--no-prefix-caching` alone gives a plain run the same settings to compare with.
 `--prompts` is a JSON list of prompts, each a string or a list of token ids. The output JSON holds per prompt the
 generated token ids, the wall time of the whole generate call, and the speculative-decoding counters read from
 `llm.get_metrics()`: drafts, draft tokens, accepted tokens and accepted tokens per draft position. With

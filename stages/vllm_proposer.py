@@ -25,8 +25,9 @@ proposed). It is handed neither the KV cache nor hidden states; this proposer co
 The drafter to serve is named by a JSON file in $KVSHOT_DRAFTER (`write_spec`): the run (or export) directory and
 the target's `kv_layers` and `feature_layers`. Where the proposer's time goes is kept in the JSON file
 $KVSHOT_PROPOSER_TIMES names, when set (rewritten after every step: vLLM may run the proposer in another process):
-seconds in its hooks (copying the target's tensors) and in drafting, and the number of steps. The target's embedding comes from the served target itself. Runs in
-the engine's environment with the repository on PYTHONPATH (`stages/vllm_generate.py --kvshot-drafter` sets both).
+seconds in its hooks (copying the target's tensors) and in drafting, and the number of steps. The target's
+embedding comes from the served target itself. Runs in the engine's environment with the repository on PYTHONPATH
+(`stages/vllm_generate.py --kvshot-drafter` sets both).
 """
 from __future__ import annotations
 
