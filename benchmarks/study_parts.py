@@ -1,6 +1,7 @@
 """What each part of a profile's studies would take in one go from a fresh workspace, from the committed rows'
 measured trial times: the part's trials replayed as one sweep (`pipeline.cost.replay`: `ray.max_concurrent` at a
-time, each child after its parent, in the sweep's own order), plus the data stages and the part's end-to-end
+time, in dependency waves as the executor runs them, in the sweep's own order; beside it the same with each child
+started right after its parent, i.e. what the waves cost), plus the data stages and the part's end-to-end
 decoding as the results folder's stage times record them; beside it, the part's wall time when it ran in one go
 (`kvshot repro --part`, the folder's parts.json). A study without parts is one part. A trial without a row yet
 is estimated from the paces of its drafter setting's rows (`pipeline.budget.estimated_seconds`), and says so.
@@ -33,11 +34,12 @@ def main() -> None:
     parts_file = args.results / "parts.json"
     in_one_go = json.loads(parts_file.read_text()) if parts_file.is_file() else {}
     print(f"data stages as recorded: {data_s / 60:.1f} min; slots: {cfg.ray.max_concurrent}")
-    print("| part | trials | sweep replayed | decoding recorded | with the data stages | measured in one go |")
-    print("| --- | --- | --- | --- | --- | --- |")
+    print("| part | trials | sweep replayed | children right after their parent | decoding recorded "
+          "| with the data stages | measured in one go |")
+    print("| --- | --- | --- | --- | --- | --- | --- |")
     for key, got in replayed_parts(cfg, args.results / "metrics" / "stepwise").items():
         if "replayed_s" not in got and "estimated_s" not in got:
-            print(f"| {key} | {got['trials']} | not measured: {', '.join(got['missing'])} | | | |")
+            print(f"| {key} | {got['trials']} | not measured: {', '.join(got['missing'])} | | | | |")
             continue
         estimated = "replayed_s" not in got
         sweep_s = got["estimated_s"] if estimated else got["replayed_s"]
@@ -53,7 +55,8 @@ def main() -> None:
             f"{run['wall_s'] / 60:.1f} min{', fresh workspace' if run.get('fresh') else ''} ({run.get('commit', '?')})"
         sweep_text = f"about {sweep_s / 60:.0f} min ({len(got['estimated'])} trials estimated from paces)" \
             if estimated else f"{sweep_s / 60:.1f} min"
-        print(f"| {key} | {got['trials']} | {sweep_text} | {decode_text} | {'about ' if estimated else ''}"
+        waves = f"{got['unwaved_s'] / 60:.1f} min ({got['unwaved_s'] / sweep_s:.2f}x)" if sweep_s else "–"
+        print(f"| {key} | {got['trials']} | {sweep_text} | {waves} | {decode_text} | {'about ' if estimated else ''}"
               f"{total / 60:.1f} min | {measured} |")
 
 if __name__ == "__main__":

@@ -117,7 +117,8 @@ def replayed_parts(cfg: Config, stepwise: Path) -> dict[str, dict]:
     decodes some of them end to end and, when every trial has a measured row in `stepwise/STUDY.json`, the seconds
     its trials take replayed as one sweep. Else the trials without one (`missing`) and, when each of them can be
     estimated from the paces of its drafter setting's rows (`estimated_seconds`), the replay with those estimates
-    (`estimated_s`, naming the estimated trials in `estimated`)."""
+    (`estimated_s`, naming the estimated trials in `estimated`). Beside either, `unwaved_s`: the same replay with
+    each child started as soon as its parent has finished (`replay(waves=False)`), what the waves cost."""
     out: dict[str, dict] = {}
     by_study = {study: _rows(Path(stepwise) / f"{study}.json") for study in cfg.studies}
     everywhere = [r for rows in by_study.values() for r in rows]
@@ -128,7 +129,8 @@ def replayed_parts(cfg: Config, stepwise: Path) -> dict[str, dict]:
             missing = [t.name for t in part if t.name not in took]
             got = {"trials": len(part), "decodes": decodes_any(cfg, study, part)}
             if not missing:
-                out[f"{study}/{name}"] = {**got, "replayed_s": round(replay(part, took, cfg.ray.max_concurrent), 1)}
+                out[f"{study}/{name}"] = {**got, "replayed_s": round(replay(part, took, cfg.ray.max_concurrent), 1),
+                                          "unwaved_s": round(replay(part, took, cfg.ray.max_concurrent, False), 1)}
                 continue
             got["missing"] = missing
             guess = estimated_seconds([t for t in part if t.name in missing], rows, cfg)
@@ -138,6 +140,7 @@ def replayed_parts(cfg: Config, stepwise: Path) -> dict[str, dict]:
                                            everywhere, cfg))
             if len(guess) == len(missing):
                 got.update(estimated=missing,
-                           estimated_s=round(replay(part, {**took, **guess}, cfg.ray.max_concurrent), 1))
+                           estimated_s=round(replay(part, {**took, **guess}, cfg.ray.max_concurrent), 1),
+                           unwaved_s=round(replay(part, {**took, **guess}, cfg.ray.max_concurrent, False), 1))
             out[f"{study}/{name}"] = got
     return out

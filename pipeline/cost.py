@@ -9,7 +9,7 @@ from __future__ import annotations
 import heapq
 import time
 
-from pipeline.plan import ADHOC
+from pipeline.plan import ADHOC, waves as dependency_waves
 from pipeline.trial import Trial
 from stages.common import duration
 
@@ -84,15 +84,23 @@ def plan_estimate(trials: list[Trial], took: dict[str, float], slots: int) -> st
     return text + f", about {duration(left)} at {slots} at a time (at the pace of the {len(took)} finished)"
 
 
-def replay(trials: list[Trial], took: dict[str, float], slots: int) -> float:
+def replay(trials: list[Trial], took: dict[str, float], slots: int, waves: bool = True) -> float:
     """Seconds a sweep of `trials` takes from scratch if each trains for the seconds it took (`took`): `slots` at a
-    time, a child once its parent has finished, in the sweep's own order (`schedule_order`). What a part of a
-    study run in pieces would take in one go, its data stages and decoding aside."""
+    time, in the sweep's own order (`schedule_order`), a child once every trial of the dependency waves before its
+    own has finished, as the executor runs them (one Tune experiment per wave); with `waves=False`, as soon as its
+    parent has. What a part of a study run in pieces would take in one go, its data stages and decoding aside."""
     prio = schedule_order(trials)
+    names = {t.name for t in trials}
+    wave = {t.name: i if waves else 0 for i, group in
+            enumerate(dependency_waves(trials, finished={t.depends_on for t in trials} - names - {None}))
+            for t in group}
     pending, running, ended, now = {t.name: t for t in trials}, [], set(), 0.0
     while pending or running:
-        ready = sorted((t for t in pending.values() if t.depends_on is None or t.depends_on in ended
-                        or t.depends_on not in prio), key=lambda t: -prio[t.name])
+        current = min((wave[n] for n in pending), default=0)
+        open_wave = current if not any(wave[n] < current for _, n in running) else current - 1
+        ready = sorted((t for t in pending.values() if (t.depends_on is None or t.depends_on in ended
+                        or t.depends_on not in prio) and wave[t.name] <= open_wave),
+                       key=lambda t: -prio[t.name])
         for t in ready[:slots - len(running)]:
             heapq.heappush(running, (now + took[t.name], t.name))
             del pending[t.name]

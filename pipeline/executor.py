@@ -1,5 +1,5 @@
 """Running a sweep's trials on Ray Tune: the Ray session, the function trainable a worker runs for one trial, and
-the Tune experiment that hands the trials out in dependency order.
+one Tune experiment per dependency wave (parents before the children that load their checkpoints).
 
 Ray: RAY_ADDRESS (or ray.address) joins an existing cluster, else a local Ray starts in-process with
 ray.num_cpus CPUs, temp files under scratch/ray, token auth disabled and usage stats off. Workers import the
@@ -26,6 +26,7 @@ from pipeline.config import Config
 from pipeline.cost import schedule_order
 from pipeline.cpu_share import CpuShare
 from pipeline.forward import Forward
+from pipeline.plan import waves
 from pipeline.trial import Trial, TrialFn, execute, failed_row
 from stages.common import Paths
 
@@ -130,142 +131,92 @@ def _trainable(config: dict, trials: dict[str, Trial], paths: Paths, trial_fn: T
     _tune_report("done", row=row, checkpoint_config=ckpt_config)
 
 
-def _callback(forward: Forward):
+def _callback(forward: Forward | None, started: list[str] | None):
     from ray.tune import Callback
 
     class ToSink(Callback):
-        """Hands every trial's start and messages to the sweep's live sink. Tune pickles its callbacks with the
-        experiment (tuner.pkl, for `Tuner.restore`, which kvshot does not use: a killed sweep resumes by
-        fingerprint); the live sink (an MLflow client, the console) is left out of that copy."""
+        """Hands every trial's start and messages to the sweep's live sink, and notes the trials started. Tune
+        pickles its callbacks with the experiment (tuner.pkl, for `Tuner.restore`, which kvshot does not use: a
+        killed sweep resumes by fingerprint); the live sink (an MLflow client, the console) is left out of that
+        copy."""
 
-        def __init__(self, sink: Forward | None):
+        def __init__(self):
             super().__init__()
-            self.sink = sink
+            self.sink, self.started = forward, started
 
         def __reduce__(self):
-            return _callback, (None,)
+            return _callback, (None, None)
 
         def __deepcopy__(self, memo):
             return self          # a copy in this process keeps the live sink
 
         def on_trial_start(self, iteration, trials, trial, **info):
             if self.sink is not None:
+                self.started.append(trial.config["trial"])
                 self.sink.start(trial.config["trial"])
 
         def on_trial_result(self, iteration, trials, trial, result, **info):
             if self.sink is not None and PAYLOAD in result:
                 self.sink.message(trial.config["trial"], json.loads(result[PAYLOAD]))
 
-    return ToSink(forward)
-
-
-def _row_status(result: dict | None) -> str | None:
-    """The status of the row a trial sent as its last Tune result (None when it sent none)."""
-    try:
-        msg = json.loads((result or {})[PAYLOAD])
-    except (KeyError, TypeError, json.JSONDecodeError):
-        return None
-    return msg.get("row", {}).get("status") if msg.get("kind") == "done" else None
-
-
-def _dependency_searcher(trials: list[Trial], done: dict[str, dict], started: list[str]):
-    """A Tune searcher that hands out the trials in dependency order without waves: a trial is suggested once the
-    trial it depends on finished ok (in this sweep, or before it: the rows of `done`), the ready trial of highest
-    `schedule_order` first, and appended to `started`; trials behind a failed parent are never suggested (the
-    sweep marks them failed)."""
-    from ray.tune.search import Searcher
-
-    class DependencyOrder(Searcher):
-        def __init__(self):
-            super().__init__()
-            prio = schedule_order(trials)
-            # highest priority first, plan order among equals (a stable sort)
-            self.pending = sorted(trials, key=lambda t: -prio[t.name])
-            self.ok = {n for n, r in done.items() if r.get("status") == "ok"}
-            self.failed = set(done) - self.ok
-            self.names: dict[str, str] = {}
-
-        def blocked(self) -> set[str]:
-            out: set[str] = set()
-            grew = True
-            while grew:
-                grew = False
-                for t in self.pending:
-                    if t.name not in out and t.depends_on and (t.depends_on in self.failed or t.depends_on in out):
-                        out.add(t.name)
-                        grew = True
-            return out
-
-        def suggest(self, trial_id: str):
-            ready = [t for t in self.pending if t.depends_on is None or t.depends_on in self.ok]
-            if not ready:
-                return Searcher.FINISHED if len(self.blocked()) == len(self.pending) else None
-            pick = ready[0]
-            self.pending.remove(pick)
-            self.names[trial_id] = pick.name
-            started.append(pick.name)
-            return {"trial": pick.name}
-
-        def on_trial_complete(self, trial_id: str, result: dict | None = None, error: bool = False) -> None:
-            name = self.names.get(trial_id)
-            if name is not None:
-                (self.ok if not error and _row_status(result) == "ok" else self.failed).add(name)
-
-        def save(self, checkpoint_path: str) -> None:
-            state = {"pending": [t.name for t in self.pending], "ok": sorted(self.ok), "failed": sorted(self.failed),
-                     "names": self.names}
-            Path(checkpoint_path).write_text(json.dumps(state))
-
-        def restore(self, checkpoint_path: str) -> None:
-            state = json.loads(Path(checkpoint_path).read_text())
-            by_name = {t.name: t for t in trials}
-            self.pending = [by_name[n] for n in state["pending"]]
-            self.ok, self.failed, self.names = set(state["ok"]), set(state["failed"]), state["names"]
-
-    return DependencyOrder()
+    return ToSink()
 
 
 def run_trials(todo: list[Trial], done: dict[str, dict], paths: Paths, cfg: Config, trial_fn: TrialFn,
                forward: Forward, label: str, started: list[str]) -> None:
-    """Run the trials on Tune in dependency order (`_dependency_searcher`; the names it starts are appended to
-    `started`); a trial that died without a final message is recorded as failed, and one whose parent failed as
-    never run, saying why."""
+    """Run the trials on Ray Tune, one experiment per dependency wave (`pipeline.plan.waves`): a wave starts once
+    the wave before it has ended, its trials in `schedule_order` (the most training ahead first), at most
+    `ray.max_concurrent` at a time; the names started are appended to `started`. A trial whose parent failed is not
+    started and is recorded failed, saying why; one that died without a final message is recorded failed too."""
     from ray import tune
 
     os.environ.setdefault("TUNE_DISABLE_AUTO_CALLBACK_LOGGERS", "1")
     os.environ.setdefault("RAY_AIR_NEW_OUTPUT", "0")
-    by_name = {t.name: t for t in todo}
-    resources = {"cpu": cfg.ray.cpus_per_trial, "gpu": cfg.ray.gpus_per_trial}
-    trainable = tune.with_resources(
-        tune.with_parameters(_trainable, trials=by_name, paths=paths, trial_fn=trial_fn), resources)
-    tuner = tune.Tuner(
-        trainable,
-        tune_config=tune.TuneConfig(search_alg=_dependency_searcher(todo, done, started), num_samples=len(todo),
-                                    max_concurrent_trials=cfg.ray.max_concurrent,
-                                    trial_name_creator=lambda tr: tr.config["trial"],
-                                    trial_dirname_creator=lambda tr: tr.config["trial"],
-                                    reuse_actors=True),
-        run_config=tune.RunConfig(name=label, storage_path=str(paths.scratch / "tune"), verbose=0,
-                                  callbacks=[_callback(forward)],
-                                  failure_config=tune.FailureConfig(max_failures=0)),
-    )
     # Tune looks for per-trial result files we do not write (results go to MLflow): silence its warning.
     logging.getLogger("ray.tune.analysis.experiment_analysis").setLevel(logging.ERROR)
-    grid = tuner.fit()
-    _record_unfinished(grid, todo, done, forward)
+    prio = schedule_order(todo)
+    resources = {"cpu": cfg.ray.cpus_per_trial, "gpu": cfg.ray.gpus_per_trial}
+
+    def parent_ok(t: Trial) -> bool:
+        return t.depends_on is None or (forward.rows.get(t.depends_on) or done.get(t.depends_on) or {}).get(
+            "status") == "ok"
+
+    for i, wave in enumerate(waves(todo, finished=set(done))):
+        ready = sorted((t for t in wave if parent_ok(t)), key=lambda t: -prio[t.name])   # stable: plan order
+        if not ready:
+            continue
+        trainable = tune.with_resources(tune.with_parameters(
+            _trainable, trials={t.name: t for t in ready}, paths=paths, trial_fn=trial_fn), resources)
+        tuner = tune.Tuner(
+            trainable,
+            param_space={"trial": tune.grid_search([t.name for t in ready])},   # started in this order
+            tune_config=tune.TuneConfig(max_concurrent_trials=cfg.ray.max_concurrent,
+                                        trial_name_creator=lambda tr: tr.config["trial"],
+                                        trial_dirname_creator=lambda tr: tr.config["trial"],
+                                        reuse_actors=True),
+            run_config=tune.RunConfig(name=f"{label}-wave{i}", storage_path=str(paths.scratch / "tune"), verbose=0,
+                                      callbacks=[_callback(forward, started)],
+                                      failure_config=tune.FailureConfig(max_failures=0)),
+        )
+        _record_died(tuner.fit(), ready, forward)
+    _record_never_started(todo, done, forward)
 
 
-def _record_unfinished(grid: Any, todo: list[Trial], done: dict[str, dict], forward: Forward) -> None:
-    """A failed row for every trial of `todo` that sent none: one that died without a final message, and one never
-    started (behind a failed parent), saying why."""
-    by_name = {t.name: t for t in todo}
+def _record_died(grid: Any, ready: list[Trial], forward: Forward) -> None:
+    """A failed row for every trial of a wave that died without sending its row, saying why."""
+    by_name = {t.name: t for t in ready}
     for res in grid:
         name = res.config.get("trial") if res.config else None
         if name in by_name and name not in forward.rows:
             err = res.error
             text = str(err).strip().splitlines()[-1] if err else "trial ended without a result"
             forward.finish(name, failed_row(by_name[name], f"{type(err).__name__ if err else 'Error'}: {text}"))
-    for t in todo:   # never started: behind a failed parent (or, which should not happen, not run by Tune)
+
+
+def _record_never_started(todo: list[Trial], done: dict[str, dict], forward: Forward) -> None:
+    """A failed row for every trial of `todo` never started: behind a failed parent (or, which should not happen,
+    not run by Tune), saying why."""
+    for t in todo:
         if t.name not in forward.rows:
             parent = (forward.rows.get(t.depends_on) or done.get(t.depends_on)) if t.depends_on else None
             forward.start(t.name, announce=False)   # a FAILED child run says why it never ran

@@ -8,12 +8,11 @@
 Planning is pure (`pipeline.plan`: no Ray, no files). Running: every trial gets a fingerprint
 (pipeline.fingerprint); a trial whose runs/<study>/<trial>/ holds the same fingerprint and a result.json is
 skipped and its row reused, so a re-run does nothing, a grid grown by a value runs only the new trials, and a
-killed sweep resumes. The rest run in one Ray Tune experiment (`pipeline.executor`), at most `ray.max_concurrent`
-at a time with `ray.cpus_per_trial` / `ray.gpus_per_trial` each: a hybrid/cross_only child (or a continued eagle3)
-starts as soon as the eagle3 whose checkpoint it loads has finished, not after every parent of the study, and of
-the trials that may start the one with the most estimated training ahead of it (its own and its children's) starts
-first, so the last trials of a study are short ones rather than one long trial running alone
-(`pipeline.cost.schedule_order`). Trials report metrics to the driver through Tune results and only the driver
+killed sweep resumes. The rest run on Ray Tune (`pipeline.executor`), one experiment per dependency wave: the
+parents first, then the hybrid/cross_only children and continued eagle3s that load their checkpoints; at most
+`ray.max_concurrent` at a time with `ray.cpus_per_trial` / `ray.gpus_per_trial` each, and within a wave the trial
+with the most estimated training ahead of it (its own and its children's) first, so a wave ends on short trials
+rather than one long trial running alone (`pipeline.cost.schedule_order`). Trials report metrics to the driver through Tune results and only the driver
 writes MLflow (`pipeline.forward`). A failing trial fails alone: it is marked failed in MLflow and in
 metrics/stepwise/<study>.json, the others finish, and the result's exit code is 1.
 """

@@ -63,16 +63,17 @@ def test_study_parts_replays_every_part_of_the_study_profile_from_the_committed_
     out = subprocess.run([sys.executable, "benchmarks/study_parts.py"], cwd=root, capture_output=True, text=True,
                          timeout=300)
     assert out.returncode == 0, out.stderr
-    for part in ("injection/(whole)", "depth/seed0-shallow", "depth/seed0-deep", "depth/seed1", "hybrid/seed0", "scale/small-seed0",
-                 "block/blocks-seeds12", "block/ar-seed2"):
+    for part in ("injection/(whole)", "depth/seed0-shallow", "depth/seed0-deep", "depth/seed1", "hybrid/seed0",
+                 "scale/small-seed0", "block/blocks-seeds12", "block/ar-seed2"):
         line = next(ln for ln in out.stdout.splitlines() if ln.startswith(f"| {part} |"))
         # a part with trials not yet run reads "about N min" (estimated from paces)
-        replayed, total = (float(c.replace("about", "").split()[0]) for c in (line.split("|")[3], line.split("|")[5]))
-        assert 0 < replayed < total
+        cells = line.split("|")
+        replayed, unwaved, total = (float(c.replace("about", "").split()[0]) for c in (cells[3], cells[4], cells[6]))
+        assert 0 < replayed < total and 0 < unwaved < total
     # a part run in one go shows its recorded wall time beside the estimate
     for part, run in json.loads((root / "results/study/parts.json").read_text()).items():
         line = next(ln for ln in out.stdout.splitlines() if ln.startswith(f"| {part} |"))
-        assert line.split("|")[6].strip().startswith(f"{run['wall_s'] / 60:.1f} min")
+        assert line.split("|")[7].strip().startswith(f"{run['wall_s'] / 60:.1f} min")
 
 
 def test_gpu_checks_hold_on_the_cpu():

@@ -38,7 +38,8 @@ def test_parts_replay_their_trials_rows_and_name_the_ones_without(tmp_path):
             row("eagle3", wall=300.0)]
     (tmp_path / "block.json").write_text(json.dumps(rows))
     got = replayed_parts(cfg, tmp_path)
-    assert got["block/blocks"] == {"trials": 2, "decodes": True, "replayed_s": 900.0}   # two at a time
+    assert got["block/blocks"] == {"trials": 2, "decodes": True, "replayed_s": 900.0,   # two at a time
+                                   "unwaved_s": 900.0}                              # no child: no wave to wait for
     assert got["block/autoregressive"]["missing"] == ["eagle3.1"]
     assert got["block/autoregressive"]["decodes"] is False   # the study decodes its block drafters only
     assert got["depth/(whole)"]["missing"]                              # no rows at all

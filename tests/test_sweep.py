@@ -586,7 +586,7 @@ def timed_trial(trial, paths, report):
     return row
 
 
-def test_children_start_when_their_parent_ends_not_after_the_whole_study(ray_local, project):
+def test_trials_run_in_dependency_waves_in_priority_order(ray_local, project):
     trials = plan(smoke(), parse_overrides(["variant=eagle3,hybrid,kv_only"]))
     by = {t.name: t for t in trials}
     assert by["hybrid"].depends_on == "eagle3" and by["eagle3-continued"].depends_on == "eagle3"
@@ -602,10 +602,9 @@ def test_children_start_when_their_parent_ends_not_after_the_whole_study(ray_loc
     assert re.fullmatch(r"sweep adhoc: 1/4 trials done(, 1 running)?(, about \d+:\d\d left)?", lines[0]), lines
     assert lines[-1] == "sweep adhoc: 4/4 trials done", lines
     rows = {r["trial"]: r for r in result.rows}
-    long = rows["kv_only"]
     for child in ("hybrid", "eagle3-continued"):
-        # in waves the children would wait for kv_only, a trial of the parents' wave that they do not need
-        assert rows["eagle3"]["t1"] <= rows[child]["t0"] < long["t1"], child
+        # one Tune experiment per wave: the children start once the parents' wave (eagle3 and kv_only) has ended
+        assert max(rows["eagle3"]["t1"], rows["kv_only"]["t1"]) <= rows[child]["t0"], child
 
 
 def test_trial_slots_are_what_the_cluster_holds(ray_local):
@@ -758,6 +757,10 @@ def test_replay_of_measured_trial_times_waits_for_parents_and_fills_the_slots():
     assert replay(trials, took, 2) == 600.0 + 900.0 + 900.0
     assert replay(trials, took, 6) == 600.0 + 900.0
     assert replay([by["eagle3-small"]], took, 2) == 600.0
+    # a long parent holds the next wave back; a child started right after its own parent would not wait for it
+    took["eagle3-large"] = 2000.0
+    assert replay(trials, took, 2) == 2000.0 + 900.0 + 900.0
+    assert replay(trials, took, 2, waves=False) < 2000.0 + 900.0 + 900.0
 
 
 def test_kvshot_train_names_a_control_or_an_eagle3_1_apart_from_its_plain_variant():
