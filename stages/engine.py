@@ -127,45 +127,44 @@ def run_engines(draft_tokens: list[int], run_dirs: list[Path], settings: list[di
     verifier = save_verifier(target.model_copy(update={"dtype": dtype}), paths, work / f"verifier-{dtype}")
     prompts_file = work / "engine-prompts.json"
     write_json_atomic(prompts_file, [p.tolist() for p in prompts])
-    plain = run_vllm(python, work / f"vllm-plain-{dtype}.json", prompts_file, Path(verifier.name_or_path), n_new,
-                     dtype, eager=eager)
+
+    def vllm(name: str, **kwargs: Any) -> dict:
+        return run_vllm(python, work / name, prompts_file, Path(verifier.name_or_path), n_new, dtype, **kwargs)
+
+    plain = vllm(f"vllm-plain-{dtype}.json", eager=eager)
     greedy = [greedy_generate(tgt, p, n_new) for p in prompts]
     common = {"dtype": dtype, "num_prompts": len(prompts), "max_new_tokens": n_new, "engine_eager": eager,
               "code": code_hash(patterns=DECODE_CODE)}
     plain_eager = None   # the proposer route's own plain run: eager and without prefix caching, as it decodes
     rows = []
     task = bar.add_task("e2e engine", total=len(run_dirs) * len(draft_tokens), unit="drafters") if bar else None
+    advance = (lambda n=1: bar.advance(task, n)) if bar else (lambda n=1: None)
     for run_dir, setting in zip(run_dirs, settings):
         variant = ckpt.variant_of(run_dir)
         if variant not in ex.EXPORTABLE_VARIANTS + SERVED_VARIANTS:
             rows += [{**setting, **common, "engine": "vllm", "draft_tokens": k, "status": f"not served: {NOT_SERVED}"}
                      for k in draft_tokens]
-            if bar:
-                bar.advance(task, len(draft_tokens))
+            advance(len(draft_tokens))
             continue
         drafter, _ = ckpt.load_drafter(run_dir, tgt)
         own_route = variant in SERVED_VARIANTS
         if own_route and plain_eager is None:
-            plain_eager = run_vllm(python, work / f"vllm-plain-{dtype}-eager.json", prompts_file,
-                                   Path(verifier.name_or_path), n_new, dtype, eager=True, no_prefix_caching=True)
+            plain_eager = vllm(f"vllm-plain-{dtype}-eager.json", eager=True, no_prefix_caching=True)
         for k in draft_tokens:
             if own_route:
                 spec_file = write_spec(work / f"{setting['trial']}-drafter.json", run_dir, tgt.kv_layers,
                                        tgt.feature_layers)
-                spec = run_vllm(python, work / f"vllm-{setting['trial']}-k{k}.json", prompts_file,
-                                Path(verifier.name_or_path), n_new, dtype, k=k, kvshot_drafter=spec_file)
+                spec = vllm(f"vllm-{setting['trial']}-k{k}.json", k=k, kvshot_drafter=spec_file)
             else:
                 out = work / f"{setting['trial']}-eagle3-k{k}"
                 ex.export(run_dir, "eagle3", out, verifier, dtype=dtype, overwrite=True, num_speculative_tokens=k)
-                spec = run_vllm(python, work / f"vllm-{setting['trial']}-k{k}.json", prompts_file,
-                                Path(verifier.name_or_path), n_new, dtype, draft=out, k=k, eager=eager)
+                spec = vllm(f"vllm-{setting['trial']}-k{k}.json", draft=out, k=k, eager=eager)
             chain = [speculative_generate(tgt, p, n_new, kvshot_proposer(drafter, tgt), TreeSpec.chain(k))
                      for p in prompts]
             route = {"engine_route": PROPOSER_ROUTE, "engine_eager": True} if own_route \
                 else {"engine_route": "eagle3 export"}
             rows.append({**engine_row(setting, k, plain_eager if own_route else plain, spec, chain, greedy), **common,
                          **route})
-            if bar:
-                bar.advance(task)
+            advance()
     write_json_atomic(paths.root / ENGINE_METRICS, rows)
     return rows
