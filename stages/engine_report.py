@@ -23,6 +23,12 @@ def _tau_draws(accepted: list, rounds: list, weights: np.ndarray) -> np.ndarray:
     return 1.0 + ratio_draws(np.asarray(accepted, float), np.asarray(rounds, float), weights)
 
 
+def _drafting(share: float | None) -> str:
+    """The share of an engine's time spent drafting, where it was measured (kvshot's proposer inside vLLM, and
+    kvshot's loop; an eagle3 export drafts inside vLLM's step)."""
+    return "" if share is None else f"; drafting {share:.0%}"
+
+
 def engine_frame(rows: list[dict], draws: int = 2000, level: float = 0.95, seed: int = 0) -> pd.DataFrame:
     """One record per served drafter and draft length (rows not served say why in one record each)."""
     rng = np.random.default_rng(seed)
@@ -44,8 +50,10 @@ def engine_frame(rows: list[dict], draws: int = 2000, level: float = 0.95, seed:
         records.append({**base, "vLLM τ": f"{r['tau']:.3f} ({pos})", "kvshot τ": f"{r['kvshot_tau']:.3f} ({kv_pos})",
                         "vLLM − kvshot": f"{r['tau'] - r['kvshot_tau']:+.3f} [{lo:+.3f}, {hi:+.3f}]",
                         "lossless": f"{'yes' if r['lossless'] else 'no'} ({r['exact_match']:.0%} identical)",
-                        "vLLM speedup": f"{r['speedup']:.2f}x ({r['tokens_per_s']:.1f} tok/s)",
-                        "kvshot speedup": f"{r['kvshot_speedup']:.2f}x ({r['kvshot_tokens_per_s']:.1f} tok/s)"})
+                        "vLLM speedup": f"{r['speedup']:.2f}x ({r['tokens_per_s']:.1f} tok/s"
+                                        f"{_drafting(r.get('proposer_share'))})",
+                        "kvshot speedup": f"{r['kvshot_speedup']:.2f}x ({r['kvshot_tokens_per_s']:.1f} tok/s"
+                                          f"{_drafting(r.get('kvshot_draft_share'))})"})
     return pd.DataFrame.from_records(records)
 
 
@@ -59,11 +67,11 @@ def engine_section(rows: list[dict] | None, level: float = 0.95) -> list[str]:
     lead = (f"vLLM {', '.join(versions) or '?'} (CPU build) served each drafter (EAGLE-3 heads as an eagle3 "
             "export; the others through kvshot's own proposer inside vLLM, eager, their speedup over an eager plain "
             f"run) on the same {first.get('num_prompts')} prompts as kvshot ({first.get('max_new_tokens')} new "
-            "tokens each, "
-            f"{first.get('dtype')}, batch 1, end of sequence ignored). τ is the mean acceptance length (accepted "
-            "drafts + 1 per verification round), per position in brackets; kvshot decodes the drafter as a chain of "
-            "as many draft tokens. The difference carries a paired prompt-bootstrap interval: one that excludes 0 "
+            f"tokens each, {first.get('dtype')}, batch 1, end of sequence ignored). τ is the mean acceptance "
+            "length (accepted drafts + 1 per verification round), per position in brackets; kvshot decodes the "
+            "drafter as a chain of as many draft tokens. The difference carries a paired prompt-bootstrap interval: one that excludes 0 "
             "means the two implementations accept differently. Each speedup is over the engine's own plain greedy "
-            "decoding.")
+            "decoding; \"drafting\" is the share of the engine's time spent drafting, where measured "
+            "(benchmarks/engine.py splits a round further).")
     frame = engine_frame(rows, level=level)
     return ["## Serving engines", "", lead, "", frame.to_markdown(index=False), ""]

@@ -65,6 +65,10 @@ def test_the_kvshot_proposers_own_time_is_split_out_of_vllms():
     assert row["per_prompt"]["proposer_hook_seconds"] == [0.1] and row["per_prompt"]["proposer_draft_seconds"] == [0.3]
     assert row["per_prompt"]["kvshot_draft_seconds"] == [0.2]
     assert row["per_prompt"]["kvshot_verify_seconds"] == [0.3]
+    # the report says how much of each engine's time went into drafting (an eagle3 export's is not measured)
+    frame = engine_frame([row])
+    assert frame.loc[0, "vLLM speedup"].endswith("; drafting 50%)")
+    assert frame.loc[0, "kvshot speedup"].endswith("; drafting 40%)")
 
 
 def test_the_report_table_shows_both_acceptances_with_the_interval_of_their_difference():
@@ -77,6 +81,7 @@ def test_the_report_table_shows_both_acceptances_with_the_interval_of_their_diff
     frame = engine_frame([row, {"trial": "kv_only-d4", "study": "scale", "draft_tokens": K,
                                 "status": "not served: reads the target's KV"}])
     assert frame.loc[0, "vLLM − kvshot"] == "+0.000 [+0.000, +0.000]"
+    assert "drafting" not in frame.loc[0, "vLLM speedup"] and frame.loc[0, "kvshot speedup"].endswith("drafting 0%)")
     assert frame.loc[1, "vLLM − kvshot"].startswith("not served")
     section = "\n".join(engine_section([row]))
     assert "## Serving engines" in section and "vLLM 0.32.0" in section and "2.000" in section
