@@ -12,9 +12,9 @@ killed sweep resumes. The rest run on Ray Tune (`pipeline.executor`), one experi
 parents first, then the hybrid/cross_only children and continued eagle3s that load their checkpoints; at most
 `ray.max_concurrent` at a time with `ray.cpus_per_trial` / `ray.gpus_per_trial` each, and within a wave the trial
 with the most estimated training ahead of it (its own and its children's) first, so a wave ends on short trials
-rather than one long trial running alone (`pipeline.cost.schedule_order`). Trials report metrics to the driver through Tune results and only the driver
-writes MLflow (`pipeline.forward`). A failing trial fails alone: it is marked failed in MLflow and in
-metrics/stepwise/<study>.json, the others finish, and the result's exit code is 1.
+rather than one long trial running alone (`pipeline.cost.schedule_order`). Trials report metrics to the driver
+through Tune results and only the driver writes MLflow (`pipeline.forward`). A failing trial fails alone: it is
+marked failed in MLflow and in metrics/stepwise/<study>.json, the others finish, and the result's exit code is 1.
 """
 from __future__ import annotations
 

@@ -69,9 +69,9 @@ def engine_section(rows: list[dict] | None, level: float = 0.95) -> list[str]:
             f"run) on the same {first.get('num_prompts')} prompts as kvshot ({first.get('max_new_tokens')} new "
             f"tokens each, {first.get('dtype')}, batch 1, end of sequence ignored). τ is the mean acceptance "
             "length (accepted drafts + 1 per verification round), per position in brackets; kvshot decodes the "
-            "drafter as a chain of as many draft tokens. The difference carries a paired prompt-bootstrap interval: one that excludes 0 "
-            "means the two implementations accept differently. Each speedup is over the engine's own plain greedy "
-            "decoding; \"drafting\" is the share of the engine's time spent drafting, where measured "
-            "(benchmarks/engine.py splits a round further).")
+            "drafter as a chain of as many draft tokens. The difference carries a paired prompt-bootstrap "
+            "interval: one that excludes 0 means the two implementations accept differently. Each speedup is over "
+            "the engine's own plain greedy decoding; \"drafting\" is the share of the engine's time spent "
+            "drafting, where measured (benchmarks/engine.py splits a round further).")
     frame = engine_frame(rows, level=level)
     return ["## Serving engines", "", lead, "", frame.to_markdown(index=False), ""]
