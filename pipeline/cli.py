@@ -213,39 +213,39 @@ def _print_e2e(rows: list[dict]) -> None:
 
 
 def _e2e_run_dirs(cfg: Config, paths, only_study: str | None = None, only: dict | None = None) -> list[Path]:
-    """The drafters of every study marked e2e (those matching its filter, when it has one), each trained run once
-    (a run adopted by several studies has one fingerprint), plus any checkpoints named in e2e.checkpoints.
-    `only_study`: that study's drafters alone (all of them when it is not marked e2e); `only`: those of them with
-    these settings (resolved KEY -> values)."""
-    import json
-
+    """The drafters the plan decodes end to end: of every study marked e2e, the trials its plan marks `e2e` (the
+    plan its sweep wrote into the workspace, runs/<study>/plan.json; the profile's plan where no sweep wrote one),
+    each finished run once (a run adopted by several studies has one fingerprint), plus any checkpoints named in
+    e2e.checkpoints. `only_study`: that study's drafters alone (all of them when it is not marked e2e); `only`:
+    those of them with these settings (resolved KEY -> values)."""
     from pipeline.config import resolve_key
+    from pipeline.plan_file import plan_file, read_study_plan
 
-    def matches(run: Path, wanted: dict) -> bool:
-        try:
-            params = json.loads((run / "config.json").read_text()).get("params", {})
-        except (OSError, json.JSONDecodeError):
-            return False
+    def matches(config: dict, wanted: dict) -> bool:
         for key, values in wanted.items():
             section, _, name = resolve_key(key).partition(".")
-            allowed = values if isinstance(values, list) else [values]
-            if params.get(section, {}).get(name) not in allowed:
+            if config.get(section, {}).get(name) not in (values if isinstance(values, list) else [values]):
                 return False
         return True
 
+    profile_plan = None
     dirs, seen = [], set()
     for name, study in cfg.studies.items():
         if (only_study is not None and name != only_study) or (only_study is None and not study.e2e):
             continue
-        base = paths.root / "runs" / name
-        for run in sorted(base.glob("*")) if base.is_dir() else []:
-            if not (run / "model.safetensors").is_file():
+        entries = read_study_plan(paths, name)
+        if entries is None:
+            profile_plan = profile_plan or plan_file(cfg)
+            entries = profile_plan.of_study(name)
+        for e in entries:
+            run = paths.root / "runs" / name / e.name
+            if not (run / "model.safetensors").is_file() or (study.e2e and not e.e2e):
                 continue
-            if isinstance(study.e2e, dict) and not matches(run, study.e2e):
-                continue
-            if only and not matches(run, only):
+            if only and not matches(e.config, only):
                 continue
             fp = (run / "fingerprint").read_text().strip() if (run / "fingerprint").is_file() else str(run)
+            if e.fingerprint and fp != e.fingerprint:
+                continue                       # not the trial the plan ran (its sweep has not run it again)
             if fp not in seen:
                 seen.add(fp)
                 dirs.append(run)
@@ -373,7 +373,7 @@ def sweep(overrides: Optional[list[str]] = OverridesArg, profile: Optional[str] 
                 show_parts(parts, Console(), paths)
             return UNTIMED
         check_hardware(cfg)
-        result = run_sweep(trials, paths)
+        result = run_sweep(trials, paths, parts={name: {m.name for m in members} for name, members in parts.items()})
         write_curves(paths, trials[0].study if trials else (study or "adhoc"))
         if result.failed:
             _fail(f"{result.failed} of {len(trials)} trials failed: {', '.join(result.failed_names)}")

@@ -11,7 +11,7 @@ import hashlib
 import itertools
 import json
 import re
-from typing import Any
+from typing import Any, Literal
 
 from pipeline.config import Config, ConfigError, resolve_key, with_values
 from pipeline.trial import CKPT_CHILDREN, CONTINUED, Trial, is_continued, needs_parent
@@ -27,6 +27,8 @@ _EAGLE3_IGNORES = ("drafter.variant", "drafter.injection", "drafter.rope_fix", "
                    "drafter.token_context", "drafter.block_size", "drafter.context")
 
 Resolved = list[tuple[dict[str, Any], Config]]   # (the values a trial sets, its resolved config), in plan order
+# What a trial is in its study's experiment (`role_of`; DESIGN §8).
+Role = Literal["trial", "parent", "compute-matched control", "no-target control", "control with context"]
 
 
 # -- names -------------------------------------------------------------------------------------------------------
@@ -312,7 +314,7 @@ def _trials(resolved: Resolved, parents_by_key: dict[str, int], name: str) -> li
         if needs_parent(t.config):
             t.depends_on = trials[parents_by_key[_parent_key(t.config)]].name
     for t in trials:
-        t.baseline = baseline_of(t, trials)
+        t.baseline, t.role = baseline_of(t, trials), role_of(t, trials)
     return sorted(trials, key=lambda t: t.depends_on is not None)
 
 
@@ -354,6 +356,21 @@ def baseline_of(t: Trial, trials: list[Trial]) -> str | None:
         def match(o: Config) -> bool:
             return _plain_eagle3(o) and _training(o) == _training(cfg)
     return next((o.name for o in trials if o is not t and match(o.config)), None)
+
+
+def role_of(t: Trial, trials: list[Trial]) -> Role:
+    """What the trial is in its study's experiment: a drafter the study compares (`trial`); an EAGLE-3 that
+    checkpoint-initialised drafters load, compared as itself too (`parent`); EAGLE-3 continued for the same schedule
+    as those drafters (`compute-matched control`); a drafter of its variant's shape that reads no target
+    information (`no-target control`), or that reads the prefix's own token embeddings (`control with context`)."""
+    d = t.config.drafter
+    if d.no_target:
+        return "control with context" if d.token_context else "no-target control"
+    if is_continued(t.config):
+        return "compute-matched control"
+    if any(o.depends_on == t.name for o in trials):
+        return "parent"
+    return "trial"
 
 
 def waves(trials: list[Trial], finished: set[str] | frozenset = frozenset()) -> list[list[Trial]]:

@@ -13,23 +13,29 @@ of rows does not:
   * `control with context`: the no-target control that reads the prefix's own token embeddings.
 
 A trial planned by several studies appears once per study (it is trained once and adopted by fingerprint).
-Fingerprints are left out: they hash the data, which exist only in a workspace after the data stages. The budget
-and the e2e selection ask the planner; the report reads each row's baseline, which the planner named (rows from
-before that are read by the same rules, `stages.baselines`); this file is the serialised form of the plan
-(DESIGN §8).
+
+Two forms. `kvshot plan` writes the profile's plan before anything ran, without fingerprints (they hash the data,
+which exist only in a workspace after the data stages). A sweep writes the plan it executes into the workspace,
+`runs/<study>/plan.json` (`write_study_plan`), with each trial's fingerprint, merging parts run one after another
+by trial name: what the e2e stage decodes is read from it (`study_plan`), so a study swept with axes on top of the
+profile's (`kvshot sweep --study S KEY=V`) is decoded as it ran. Metrics rows and MLflow runs carry each trial's
+baseline and role, which the planner named; the report reads them from the rows (rows from before are read by
+the same rules, `stages.baselines`). The budget asks the planner: it runs before any workspace exists (DESIGN §8).
 """
 from __future__ import annotations
 
-from typing import Any, Literal
+from pathlib import Path
+from typing import Any
 
-from pydantic import BaseModel
+from pydantic import BaseModel, ValidationError
 
-from pipeline.config import Config
+from pipeline.config import Config, ConfigError
 from pipeline.parts import check_parts, decodes_any
-from pipeline.plan import plan
-from pipeline.trial import Trial, is_continued
+from pipeline.plan import Role, plan
+from pipeline.trial import Trial
+from stages.common import Paths, write_text_atomic
 
-Role = Literal["trial", "parent", "compute-matched control", "no-target control", "control with context"]
+PLAN_FILE = "plan.json"     # in runs/<study>/, written by the sweep that runs the study
 
 
 class PlannedTrial(BaseModel):
@@ -44,6 +50,7 @@ class PlannedTrial(BaseModel):
     e2e: bool
     evaluated_on: str               # "eval split", or the validation set a study chooses a setting on
     config: dict[str, Any]
+    fingerprint: str = ""           # in a workspace's plan (`write_study_plan`); not known before the data stages
 
 
 class PlanFile(BaseModel):
@@ -54,16 +61,18 @@ class PlanFile(BaseModel):
         return [t for t in self.trials if t.study == study]
 
 
-def role_of(t: Trial, trials: list[Trial]) -> Role:
-    """What the trial is in its study's experiment (the module docstring lists the roles)."""
-    d = t.config.drafter
-    if d.no_target:
-        return "control with context" if d.token_context else "no-target control"
-    if is_continued(t.config):
-        return "compute-matched control"
-    if any(o.depends_on == t.name for o in trials):
-        return "parent"
-    return "trial"
+def planned(t: Trial, cfg: Config, parts: dict[str, set[str]]) -> PlannedTrial:
+    """A trial of the plan as written down; `parts`: each part of its study with the names of its trials."""
+    return PlannedTrial(
+        name=t.name, study=t.study, variant=t.variant, values=t.values, parent=t.depends_on, baseline=t.baseline,
+        role=t.role, parts=[name for name, members in parts.items() if t.name in members],
+        e2e=t.study in cfg.studies and decodes_any(cfg, t.study, [t]),
+        evaluated_on=t.config.eval.data or "eval split", config=t.config.model_dump(mode="json"),
+        fingerprint=t.fingerprint)
+
+
+def _parts(cfg: Config, study: str, trials: list[Trial]) -> dict[str, set[str]]:
+    return {name: {m.name for m in members} for name, members in check_parts(trials, cfg, study).items()}
 
 
 def plan_file(cfg: Config) -> PlanFile:
@@ -71,12 +80,38 @@ def plan_file(cfg: Config) -> PlanFile:
     entries = []
     for study in cfg.studies:
         trials = plan(cfg, study=study)
-        parts = {name: {m.name for m in members} for name, members in check_parts(trials, cfg, study).items()}
-        for t in trials:
-            entries.append(PlannedTrial(
-                name=t.name, study=study, variant=t.variant, values=t.values, parent=t.depends_on,
-                baseline=t.baseline,
-                role=role_of(t, trials), parts=[name for name, members in parts.items() if t.name in members],
-                e2e=decodes_any(cfg, study, [t]), evaluated_on=t.config.eval.data or "eval split",
-                config=t.config.model_dump(mode="json")))
+        parts = _parts(cfg, study, trials)
+        entries += [planned(t, cfg, parts) for t in trials]
     return PlanFile(profile=cfg.profile, trials=entries)
+
+
+def study_plan_path(paths: Paths, study: str) -> Path:
+    return paths.root / "runs" / study / PLAN_FILE
+
+
+def read_study_plan(paths: Paths, study: str) -> list[PlannedTrial] | None:
+    """The plan a sweep of `study` wrote into the workspace; None before one ran. A damaged file is a one-line
+    error naming it."""
+    path = study_plan_path(paths, study)
+    if not path.is_file():
+        return None
+    try:
+        return PlanFile.model_validate_json(path.read_text()).trials
+    except ValidationError as exc:
+        raise ConfigError(f"{path}: not a plan file ({exc.error_count()} errors; rerun `kvshot sweep --study "
+                          f"{study}` to write it again)") from None
+
+
+def write_study_plan(trials: list[Trial], paths: Paths, parts: dict[str, set[str]] | None = None) -> Path:
+    """Write the plan a sweep executes (its trials, fingerprinted; `parts`: each part of the study with the names
+    of its trials) into runs/<study>/plan.json. The entries of the study's other trials stay (a study run in parts
+    gains one part's trials at a time); a trial run again replaces its entry in place."""
+    cfg: Config = trials[0].config
+    study = trials[0].study
+    mine = {t.name: planned(t, cfg, parts or {}) for t in trials}
+    before = read_study_plan(paths, study) or []
+    entries = [mine.pop(e.name, e) for e in before] + list(mine.values())
+    path = study_plan_path(paths, study)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    write_text_atomic(path, PlanFile(profile=cfg.profile, trials=entries).model_dump_json(indent=1) + "\n")
+    return path

@@ -6,7 +6,8 @@
     result = run_sweep(trials, Paths(root))                      # result.exit_code for the CLI
 
 Planning is pure (`pipeline.plan`: no Ray, no files). Running: every trial gets a fingerprint
-(pipeline.fingerprint); a trial whose runs/<study>/<trial>/ holds the same fingerprint and a result.json is
+(pipeline.fingerprint), and the trials with their fingerprints, roles and baselines are written into
+runs/<study>/plan.json (`pipeline.plan_file`), which the e2e stage reads; a trial whose runs/<study>/<trial>/ holds the same fingerprint and a result.json is
 skipped and its row reused, so a re-run does nothing, a grid grown by a value runs only the new trials, and a
 killed sweep resumes. The rest run on Ray Tune (`pipeline.executor`), one experiment per dependency wave: the
 parents first, then the hybrid/cross_only children and continued eagle3s that load their checkpoints; at most
@@ -29,6 +30,7 @@ from pipeline.console import show_summary
 from pipeline.executor import ray_session, run_trials, trial_slots
 from pipeline.forward import Forward
 from pipeline.plan import varying_keys, waves
+from pipeline.plan_file import write_study_plan
 from pipeline.result import SweepResult
 from pipeline.standalone import fingerprint_trials
 from pipeline.trial import Trial, TrialFn, adopt_finished, cached_result, failed_row, json_safe, run_trial
@@ -36,9 +38,10 @@ from stages.common import Paths, write_json_atomic
 
 
 def run_sweep(trials: list[Trial], paths: Paths, trial_fn: TrialFn = run_trial, console: Console | None = None,
-              track: bool = True) -> SweepResult:
-    """Run the planned trials (see module doc) and write metrics/stepwise/<study>.json; never raises for a
-    failing trial (see SweepResult.exit_code). `trial_fn(trial, paths, report) -> row` runs inside a worker."""
+              track: bool = True, parts: dict[str, set[str]] | None = None) -> SweepResult:
+    """Run the planned trials (see module doc) and write metrics/stepwise/<study>.json and the plan it executes,
+    runs/<study>/plan.json (`parts`: the study's parts with their trials' names); never raises for a failing
+    trial (see SweepResult.exit_code). `trial_fn(trial, paths, report) -> row` runs inside a worker."""
     from pipeline.tracking import Tracker, git_commit
 
     if not trials:
@@ -50,6 +53,7 @@ def run_sweep(trials: list[Trial], paths: Paths, trial_fn: TrialFn = run_trial, 
     start = time.perf_counter()
     write_validation_sets(trials, paths)
     fingerprint_trials(trials, paths)
+    write_study_plan(trials, paths, parts)
 
     rows = _finished_rows(trials, paths)
     skipped = [t.name for t in trials if t.name in rows]

@@ -37,6 +37,7 @@ class Trial:
     config: Any                               # pipeline.config.Config (kept untyped: no import cycle)
     depends_on: str | None = None             # the eagle3 trial a ckpt-initialised child loads
     baseline: str | None = None               # the trial it is compared with (pipeline.plan.baseline_of)
+    role: str = "trial"                       # what it is in the study's experiment (pipeline.plan.role_of)
     fingerprint: str = ""                     # set by the runner before the trial starts
     data_hashes: dict[str, str] = field(default_factory=dict)
     commit: str = ""                          # the code it is trained with (set by the runner; kept in its row)
@@ -115,7 +116,7 @@ def adopt_finished(trial: Trial, paths: Paths) -> dict | None:
     shutil.copytree(donor, tmp, copy_function=_link_or_copy)
     row = {k: v for k, v in row.items() if k != "baseline"}      # the donor's, named in its own study
     row = {**row, "trial": trial.name, "study": trial.study, "values": trial.values,
-           **({"baseline": trial.baseline} if trial.baseline else {}),
+           **({"baseline": trial.baseline} if trial.baseline else {}), "role": trial.role,
            "reused_from": f"{donor.parent.name}/{donor.name}"}
     (tmp / RESULT_FILE).unlink()
     write_json_atomic(tmp / RESULT_FILE, row)
@@ -162,7 +163,7 @@ def base_row(trial: Trial) -> dict:
             "injection": d.injection, "rope_fix": d.rope_fix, "init": d.init, "scale": t.scale, "seed": t.seed,
             "lr": t.lr,
             "values": trial.values, "fingerprint": trial.fingerprint, "code": code_hash(),
-            **({"baseline": trial.baseline} if trial.baseline else {}),
+            **({"baseline": trial.baseline} if trial.baseline else {}), "role": trial.role,
             **({"data": trial.data_hashes} if trial.data_hashes else {}),
             **({"eval_data": trial.config.eval.data} if trial.config.eval.data else {}),
             **({"git_commit": trial.commit} if trial.commit else {})}

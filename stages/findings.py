@@ -147,7 +147,9 @@ def plain_eagle3(s: Setting) -> bool:
         and not f.get("norm_output")
 
 
-def continued_eagle3(s: Setting) -> bool:
+def continued_eagle3(s: Setting | E2EGroup) -> bool:
+    """EAGLE-3 continued for a checkpoint-initialised drafter's schedule (its compute-matched control), by its
+    settings: e2e rows do not name roles."""
     f = s.fields
     return f.get("variant") == "eagle3" and f.get("init") == "continued" and not f.get("fc_norm") \
         and not f.get("norm_output")
@@ -159,14 +161,16 @@ def kv_reader(s: Setting) -> bool:
 
 def no_target(s: Setting) -> bool:
     """The paper's no-target control: no target information and no context (token t+1 and its own chain)."""
-    return s.fields.get("variant") == "kv_only" and bool(s.fields.get("no_target")) \
-        and not s.fields.get("token_context")
+    f = s.fields
+    return f.get("variant") == "kv_only" and s.is_role(
+        "no-target control", bool(f.get("no_target")) and not f.get("token_context"))
 
 
 def token_control(s: Setting) -> bool:
     """The control with context: a causal language model of the drafter's shape over the prefix's tokens."""
-    return s.fields.get("variant") == "kv_only" and bool(s.fields.get("no_target")) \
-        and bool(s.fields.get("token_context"))
+    f = s.fields
+    return f.get("variant") == "kv_only" and s.is_role(
+        "control with context", bool(f.get("no_target")) and bool(f.get("token_context")))
 
 
 def _depth(s: Setting) -> int:

@@ -113,6 +113,13 @@ class Setting:
     # the trials its rows name as their baseline (the planner's, `pipeline.plan.baseline_of`); empty for rows
     # written before rows named one
     baselines: frozenset[str] = frozenset()
+    # what its trials are in the experiment (the planner's, `pipeline.plan.role_of`: "trial", "parent",
+    # "compute-matched control", "no-target control", "control with context"); empty for rows from before
+    roles: frozenset[str] = frozenset()
+
+    def is_role(self, role: str, by_fields: bool) -> bool:
+        """Whether its trials have `role`: as their rows name it, else (rows from before) as `by_fields` says."""
+        return role in self.roles if self.roles else by_fields
 
     @property
     def n(self) -> int:
@@ -224,8 +231,9 @@ def build_setting(study: str, group: pd.DataFrame) -> Setting:
     trials = sorted(group["trial"])
     codes = sorted({str(c) for c in ok["code"] if c})
     named = frozenset(str(r["baseline"]) for r in group["row"] if isinstance(r, dict) and r.get("baseline"))
+    roles = frozenset(str(r["role"]) for r in group["row"] if isinstance(r, dict) and r.get("role"))
     return Setting(study, fields, json.loads(first["extra"]), trials, len(rows), failed, point,
-                   counts, None, commits, [by_trial[t] for t in trials], codes=codes, baselines=named)
+                   counts, None, commits, [by_trial[t] for t in trials], codes=codes, baselines=named, roles=roles)
 
 
 class Resampler:

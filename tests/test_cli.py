@@ -86,39 +86,64 @@ def test_paper_profile_fails_fast_without_a_gpu():
     assert out.returncode == 2 and "needs a CUDA GPU" in out.stderr
 
 
-def test_e2e_decodes_the_marked_studies_filtered_and_each_run_once(tmp_path):
-    """A study's e2e filter picks its trials by config; a run adopted by another e2e study is decoded once."""
-    import json
-
+def test_e2e_decodes_what_the_plan_marks_each_run_once(tmp_path):
+    """The e2e stage decodes the trials a study's plan marks e2e (the plan its sweep wrote, runs/<study>/plan.json),
+    each finished run once (a run adopted by another e2e study has its fingerprint)."""
     from pipeline.cli import _e2e_run_dirs
     from pipeline.config import load_config, with_values
+    from pipeline.plan_file import PlanFile, PlannedTrial, study_plan_path
     from stages.common import Paths
 
-    def run(study, name, scale, fp):
+    paths = Paths(tmp_path)
+    plans: dict[str, list] = {}
+
+    def run(study, name, scale, fp, e2e=True, planned_fp=None):
         d = tmp_path / "runs" / study / name
         d.mkdir(parents=True)
         (d / "model.safetensors").write_bytes(b"x")
-        (d / "config.json").write_text(json.dumps({"params": {"train": {"scale": scale},
-                                                              "drafter": {"variant": "eagle3"}}}))
         (d / "fingerprint").write_text(fp + "\n")
+        plans.setdefault(study, []).append(PlannedTrial(
+            name=name, study=study, variant="eagle3", values={}, parent=None, baseline=None, role="trial", parts=[],
+            e2e=e2e, evaluated_on="eval split", config={"train": {"scale": scale}, "drafter": {"variant": "eagle3"}},
+            fingerprint=fp if planned_fp is None else planned_fp))
+        study_plan_path(paths, study).write_text(PlanFile(profile="smoke", trials=plans[study]).model_dump_json())
         return d
 
-    small, large = run("scale", "eagle3-small", "small", "a"), run("scale", "eagle3-large", "large", "b")
+    small, large = run("scale", "eagle3-small", "small", "a", e2e=False), run("scale", "eagle3-large", "large", "b")
     run("block", "eagle3", "large", "b")                       # adopted: the same fingerprint
     own = run("block", "block-kv", "large", "c")
+    run("block", "block-hidden", "large", "e", planned_fp="f")  # a stale run: not the trial the plan ran
     cfg = with_values(load_config("smoke"), {"studies": {"scale": {"e2e": {"train.scale": ["large"]}},
                                                          "block": {"e2e": True}, "depth": {}}})
-    assert _e2e_run_dirs(cfg, Paths(tmp_path)) == [large, own]
+    assert _e2e_run_dirs(cfg, paths) == [large, own]
     # a part: `kvshot e2e --only train.scale=small` decodes the marked studies' small drafters alone
-    assert _e2e_run_dirs(cfg, Paths(tmp_path), only={"train.scale": ["small"]}) == []
-    assert _e2e_run_dirs(cfg, Paths(tmp_path), only={"train.scale": ["large"]}) == [large, own]
+    assert _e2e_run_dirs(cfg, paths, only={"train.scale": ["small"]}) == []
+    assert _e2e_run_dirs(cfg, paths, only={"train.scale": ["large"]}) == [large, own]
     # `--study depth`: a study not marked e2e decodes all of its drafters when named
-    deep = run("depth", "kv_only-d4", "small", "d")
-    assert _e2e_run_dirs(cfg, Paths(tmp_path), "depth") == [deep]
-    assert _e2e_run_dirs(cfg, Paths(tmp_path), "scale") == [large]     # its filter still applies
-    cfg = with_values(cfg, {"studies": {"scale": {"e2e": True}}})
-    assert _e2e_run_dirs(cfg, Paths(tmp_path)) == [large, small]
-    assert _e2e_run_dirs(cfg, Paths(tmp_path), only={"train.scale": ["small"]}) == [small]
+    deep = run("depth", "kv_only-d4", "small", "d", e2e=False)
+    assert _e2e_run_dirs(cfg, paths, "depth") == [deep]
+    assert _e2e_run_dirs(cfg, paths, "scale") == [large]     # its plan's marks still apply
+
+
+def test_e2e_reads_the_profiles_plan_where_no_sweep_wrote_one(tmp_path):
+    from pipeline.cli import _e2e_run_dirs
+    from pipeline.config import load_config
+    from pipeline.plan_file import plan_file
+    from stages.common import Paths
+
+    cfg = load_config("smoke")
+    marked = [e for e in plan_file(cfg).trials if e.e2e]
+    assert marked
+    for i, e in enumerate(marked):
+        d = tmp_path / "runs" / e.study / e.name
+        d.mkdir(parents=True)
+        (d / "model.safetensors").write_bytes(b"x")
+        (d / "fingerprint").write_text(f"fp{i}\n")
+    other = next(e for e in plan_file(cfg).trials if not e.e2e and e.study in {m.study for m in marked})
+    (tmp_path / "runs" / other.study / other.name).mkdir(parents=True)
+    (tmp_path / "runs" / other.study / other.name / "model.safetensors").write_bytes(b"x")
+    got = _e2e_run_dirs(cfg, Paths(tmp_path))
+    assert [(d.parent.name, d.name) for d in got] == [(e.study, e.name) for e in marked]
 
 
 def test_e2e_names_a_study_the_profile_lacks(tmp_path):

@@ -88,7 +88,7 @@ def _rows_of(trials) -> list[dict]:
                   **{k: True for k in ("fc_norm", "norm_output", "no_target", "token_context") if getattr(d, k)},
                   **({"block_size": d.block_size, "context": d.context} if d.variant == "block" else {})}
         r = fx.row(t.study, t.name, fields, 0.4, 0.3, tr.seed, 1)
-        r.update(trial=t.name, values=t.values, **({"baseline": t.baseline} if t.baseline else {}))
+        r.update(trial=t.name, values=t.values, role=t.role, **({"baseline": t.baseline} if t.baseline else {}))
         rows.append(r)
     return rows
 
@@ -96,10 +96,11 @@ def _rows_of(trials) -> list[dict]:
 @pytest.mark.parametrize("study", sorted(load_config("study").studies))
 def test_the_reports_baselines_are_the_planners(tmp_path, study):
     """The report compares each setting with the setting holding the trials the planner named, and the rules it
-    reads rows from before rows named one give the same settings."""
+    reads rows from before rows named one give the same settings; so for the controls it finds by their role."""
     from dataclasses import replace
 
     from stages.baselines import baseline_for
+    from stages.findings import no_target, token_control
     from stages.common import Paths
     from stages.results import collect
 
@@ -115,3 +116,43 @@ def test_the_reports_baselines_are_the_planners(tmp_path, study):
         compared += named is not None
     assert compared >= 1 and all(s.baselines == {t.baseline for t in trials if t.name in s.trials} - {None}
                                  for s in settings)
+    for s in settings:
+        assert s.roles == {t.role for t in trials if t.name in s.trials}
+        for which in (no_target, token_control):
+            assert which(s) == which(replace(s, roles=frozenset())), f"{study}: {s.trials} {which.__name__}"
+    if study in ("injection", "depth"):
+        assert any(no_target(s) or token_control(s) for s in settings)
+
+
+def test_a_sweep_writes_the_plan_it_executes_part_by_part(tmp_path):
+    """runs/<study>/plan.json gains each part's trials with their fingerprints, roles, parts and e2e marks; a part
+    run again replaces its entries in place; a damaged file is a one-line error naming it."""
+    from pipeline.config import ConfigError
+    from pipeline.parts import part_filter, plan_part
+    from pipeline.plan_file import read_study_plan, study_plan_path, write_study_plan
+    from stages.common import Paths
+
+    cfg, paths = load_config("study"), Paths(tmp_path)
+    whole = plan(cfg, study="scale")
+    parts = {name: {m.name for m in members} for name, members in check_parts(whole, cfg, "scale").items()}
+    assert read_study_plan(paths, "scale") is None
+    first = plan_part(whole, part_filter(cfg, "scale", "small-seed0"))
+    for t in first:
+        t.fingerprint = f"fp-{t.name}"
+    write_study_plan(first, paths, parts)
+    second = plan_part(plan(cfg, study="scale"), part_filter(cfg, "scale", "large-seed0"))
+    for t in second:
+        t.fingerprint = f"fp2-{t.name}"
+    write_study_plan(second, paths, parts)
+    got = {e.name: e for e in read_study_plan(paths, "scale")}
+    assert set(got) == {t.name for t in first} | {t.name for t in second}
+    assert [e.name for e in read_study_plan(paths, "scale")][:len(first)] == [t.name for t in first]
+    reference = {e.name: e for e in plan_file(cfg).of_study("scale")}
+    for t in second:
+        assert got[t.name].fingerprint == f"fp2-{t.name}"
+        assert got[t.name].model_dump(exclude={"fingerprint"}) == reference[t.name].model_dump(exclude={"fingerprint"})
+    assert all(e.e2e for e in got.values())                 # the scale study decodes all of its trials
+
+    study_plan_path(paths, "scale").write_text('{"profile": "study"}')
+    with pytest.raises(ConfigError, match=r"runs/scale/plan.json: not a plan file"):
+        read_study_plan(paths, "scale")

@@ -21,6 +21,7 @@ from pipeline.cost import estimated_cost, schedule_order, time_left
 from pipeline.executor import trial_slots
 from pipeline.forward import Forward
 from pipeline.plan import plan, waves
+from pipeline.plan_file import read_study_plan
 from pipeline.standalone import fingerprint_trials
 from pipeline.sweep import run_sweep
 from pipeline.trial import cached_result
@@ -472,6 +473,12 @@ def test_sweep_tracks_reruns_nothing_and_grows(ray_local, project):
         assert {"trial", "variant", "depth", "injection", "rope_fix", "init", "scale", "alpha", "acc", "mat",
                 "retention"} <= set(r) and r["status"] == "ok"
         assert (project.run_dir("adhoc", r["trial"]) / "fingerprint").read_text().strip() == r["fingerprint"]
+        assert r["role"] == "trial"
+    # the plan it executed, written into the workspace with each trial's fingerprint
+    executed = read_study_plan(project, "adhoc")
+    assert [(e.name, e.fingerprint, e.role) for e in executed] == [(r["trial"], r["fingerprint"], "trial")
+                                                                   for r in stepwise]
+    assert all(c.data.tags["role"] == "trial" for c in children)
 
     # the dry run now shows them done
     console = Console(record=True, width=200)
@@ -499,6 +506,7 @@ def test_sweep_tracks_reruns_nothing_and_grows(ray_local, project):
         # every parent lists every trial of its sweep: those it trained and those it reused
         assert len([c for c in children if c.data.tags["mlflow.parentRunId"] == parent.info.run_id]) == planned
     assert len(json.loads(project.stepwise_metrics("adhoc").read_text())) == 4
+    assert [e.name for e in read_study_plan(project, "adhoc")] == [f"kv_only-d{d}" for d in (1, 2, 3, 4)]
 
     # another study planning the same trials adopts the finished runs instead of training them again; its dry
     # run says so
