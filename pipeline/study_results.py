@@ -6,7 +6,8 @@ replaces that study's committed metrics; every other study's stay as committed. 
 stages ran on, the study parts run in one go (`kvshot repro --part`) and the `dvc.lock` stages merge the same way
 (the workspace's entries win); so do the end-to-end rows,
 by study (the workspace's rows replace those of the studies it decoded). The report is then
-regenerated from the merged files alone, so every row keeps the commit and fingerprint it was trained at.
+regenerated from the merged files alone, so every row keeps the commit and fingerprint it was trained at. The plans
+the studies' sweeps executed (runs/<study>/plan.json) are kept beside the metrics, in metrics/plans/.
 
 A study run in parts (say seed 0 in one workspace, seeds 1 and 2 in another) combines instead of replacing, but only
 on the same conversations: a committed row of a trial the workspace did not run stays when its regenerated
@@ -22,7 +23,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import yaml
+from pydantic import ValidationError
 
+from pipeline.plan_file import PLAN_FILE, PlanFile, PlannedTrial
 from pipeline.provenance import MACHINES, PARTS, TIMINGS
 from stages.common import StageError, write_json_atomic, write_text_atomic
 from stages.engine_report import ENGINE_METRICS
@@ -87,6 +90,7 @@ def merge(workspace: Path, results: Path, staging: Path) -> Merged:
                 combined.append(name)
                 rows = kept + rows
         write_json_atomic(staging / "metrics" / "stepwise" / path.name, rows)
+    _merge_plans(workspace / "runs", results / "metrics" / "plans", staging / "metrics" / "plans", set(combined))
     e2e_from = _merge_e2e(workspace / "metrics" / "e2e.json", results / "metrics" / "e2e.json",
                           staging / "metrics" / "e2e.json", set(combined))
     # the serving engines' rows (e2e.engines) merge as the e2e rows do
@@ -101,6 +105,34 @@ def merge(workspace: Path, results: Path, staging: Path) -> Merged:
         if record:
             write_json_atomic(staging / ws_rel, record)
     return Merged(staging, sorted(ws_metrics), sorted(set(committed) - set(ws_metrics)), e2e_from, combined)
+
+
+def _merge_plans(ws_runs: Path, kept: Path, out: Path, combined: set[str]) -> None:
+    """metrics/plans/<study>.json, the plans the studies' sweeps executed (runs/<study>/plan.json in a workspace):
+    a study the workspace ran replaces the committed plan, or adds its trials to it by name when the study
+    combines (run in parts); the plans of other studies stay as committed."""
+    fresh = {p.parent.name: p for p in sorted(ws_runs.glob(f"*/{PLAN_FILE}"))} if ws_runs.is_dir() else {}
+    committed = _study_metrics(kept)
+    for study in sorted({*fresh, *committed}):
+        entries = _read_plan(fresh[study]) if study in fresh else []
+        if study not in fresh or study in combined:
+            names = {e.name for e in entries}
+            entries = [e for e in (_read_plan(committed[study]) if study in committed else [])
+                       if e.name not in names] + entries
+        out.mkdir(parents=True, exist_ok=True)
+        write_text_atomic(out / f"{study}.json", PlanFile(profile=_profile(fresh.get(study) or committed[study]),
+                                                          trials=entries).model_dump_json(indent=1) + "\n")
+
+
+def _read_plan(path: Path) -> list[PlannedTrial]:
+    try:
+        return PlanFile.model_validate_json(path.read_text()).trials
+    except ValidationError as exc:
+        raise StageError(f"{path}: not a plan file ({exc.error_count()} errors)") from None
+
+
+def _profile(path: Path) -> str:
+    return str(_read_json(path, dict, "a plan file").get("profile", ""))
 
 
 def _merge_e2e(ws_e2e: Path, kept_e2e: Path, out: Path, combined: set[str] = frozenset()) -> str:

@@ -235,3 +235,38 @@ def test_cli_regenerates_the_report_from_committed_and_new_metrics(tmp_path):
                          capture_output=True, text=True, timeout=300)
     assert bad.returncode == 2 and "no metrics/stepwise" in bad.stderr
     assert len(bad.stderr.strip().splitlines()) == 1
+
+
+def test_the_executed_plans_merge_beside_the_metrics(folders):
+    """runs/<study>/plan.json of the workspace lands in metrics/plans/<study>.json: a study run in parts adds its
+    trials by name, a study run again replaces its plan, other studies' plans stay as committed."""
+    from pipeline.plan_file import PlanFile, PlannedTrial
+
+    def plan_of(*names, fp="new"):
+        return PlanFile(profile="study", trials=[PlannedTrial(
+            name=n, study="depth", variant="eagle3", values={}, parent=None, baseline=None, role="trial", parts=[],
+            e2e=False, evaluated_on="eval split", config={}, fingerprint=f"{fp}-{n}") for n in names])
+
+    results, ws, staging = folders
+    (results / "metrics" / "plans").mkdir()
+    (results / "metrics" / "plans" / "depth.json").write_text(plan_of("eagle3", "eagle3-s1", fp="old").model_dump_json())
+    (results / "metrics" / "plans" / "injection.json").write_text(plan_of("kv_only").model_dump_json())
+    (ws / "runs" / "depth").mkdir(parents=True)
+    (ws / "runs" / "depth" / "plan.json").write_text(plan_of("eagle3-s1", "eagle3-s2").model_dump_json())
+
+    def merged_plans() -> dict[str, list[tuple[str, str]]]:
+        return {p.stem: [(e.name, e.fingerprint) for e in PlanFile.model_validate_json(p.read_text()).trials]
+                for p in sorted((staging / "metrics" / "plans").glob("*.json"))}
+
+    merge(ws, results, staging)                                  # depth replaced: its rows are on other data
+    assert merged_plans() == {"depth": [("eagle3-s1", "new-eagle3-s1"), ("eagle3-s2", "new-eagle3-s2")],
+                              "injection": [("kv_only", "new-kv_only")]}
+    same = {"regenerated/sharegpt": "sha256:a"}
+    (results / "metrics" / "stepwise" / "depth.json").write_text(json.dumps([{"trial": "eagle3", "data": same}]))
+    (ws / "metrics" / "stepwise" / "depth.json").write_text(json.dumps([{"trial": "eagle3-s1", "data": same}]))
+    assert merge(ws, results, staging).combined == ["depth"]     # run in parts: the plans combine by name
+    assert merged_plans()["depth"] == [("eagle3", "old-eagle3"), ("eagle3-s1", "new-eagle3-s1"),
+                                       ("eagle3-s2", "new-eagle3-s2")]
+    (ws / "runs" / "depth" / "plan.json").write_text("{}")
+    with pytest.raises(StageError, match=r"runs/depth/plan.json: not a plan file"):
+        merge(ws, results, staging)
