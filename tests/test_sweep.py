@@ -578,14 +578,14 @@ def test_failing_trial_fails_alone_and_blocks_its_children(ray_local, project):
 
 
 def timed_trial(trial, paths, report):
-    """kv_only runs until eagle3's children have finished (at most 120 s: the time a schedule in waves would make
-    them wait for it); every other trial returns at once. When each ran shows the sweep's schedule, whatever the
-    machine's load."""
+    """kv_only runs until eagle3's children have finished, or 10 s (in waves they wait for it: a schedule that
+    started them beside it would have them finished well within that); every other trial returns at once. When
+    each ran shows the sweep's schedule."""
     t0 = time.time()
     done = paths.root / "done"
     if trial.variant == "kv_only":
         children = [done / "hybrid", done / "eagle3-continued"]
-        while time.time() < t0 + 120 and not all(c.exists() for c in children):
+        while time.time() < t0 + 10 and not all(c.exists() for c in children):
             time.sleep(0.2)
     a = [0.5] * 7
     row = {"alpha": a, "acc": a, "mat": 2.0, "retention": 1.0, "t0": t0, "t1": time.time()}
@@ -604,7 +604,8 @@ def test_trials_run_in_dependency_waves_in_priority_order(ray_local, project):
     console = Console(record=True, width=200)
     result = run_sweep(trials, project, trial_fn=timed_trial, console=console)
     assert result.exit_code == 0
-    assert result.ran == ["eagle3", "kv_only", "hybrid", "eagle3-continued"]      # started in priority order
+    # two slots: a wave's two trials start together, in whichever order Tune's actors come up
+    assert set(result.ran[:2]) == {"eagle3", "kv_only"} and set(result.ran[2:]) == {"hybrid", "eagle3-continued"}
     # after each trial, where the sweep stands and (from the trials measured so far) how long it has left
     lines = [ln.strip() for ln in console.export_text().splitlines() if "trials done" in ln]
     assert re.fullmatch(r"sweep adhoc: 1/4 trials done(, 1 running)?(, about \d+:\d\d left)?", lines[0]), lines
