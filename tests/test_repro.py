@@ -17,7 +17,9 @@ from pathlib import Path
 import pytest
 import yaml
 
+from pipeline.plan_file import read_study_plan
 from stages.code_hash import DECODE_CODE, TRIAL_CODE, code_files, code_hash
+from stages.common import Paths
 
 ROOT = Path(__file__).resolve().parent.parent
 BIN = Path(sys.executable).parent
@@ -60,7 +62,17 @@ def test_repro_builds_every_artifact(smoke):
             assert (ws / "runs" / study / row["trial"] / "config.json").is_file()
         curves = json.loads((ws / "metrics" / "curves" / f"{study}.json").read_text())
         assert {c["k"] for c in curves} == set(range(7))
+        # the plan the sweep executed, beside its runs: every trial with its row's fingerprint, role and baseline
+        executed = {e.name: e for e in read_study_plan(Paths(ws), study)}
+        assert set(executed) == {r["trial"] for r in rows}, study
+        for row in rows:
+            e = executed[row["trial"]]
+            assert (e.fingerprint, e.role, e.baseline) == (row["fingerprint"], row["role"], row.get("baseline"))
     e2e = json.loads((ws / "metrics" / "e2e.json").read_text())
+    # the e2e stage decoded what the plans mark e2e (a trial adopted by two marked studies once)
+    marked = {e.fingerprint for s in STUDIES for e in read_study_plan(Paths(ws), s) if e.e2e}
+    assert marked and {(ws / r["run_dir"] / "fingerprint").read_text().strip() for r in e2e if r.get("run_dir")} \
+        == marked
     drafter_rows = [r for r in e2e if r.get("variant") in ("eagle3", "hybrid")]
     assert drafter_rows and all(r["lossless"] for r in drafter_rows)
     assert all(r["code"] == code_hash(patterns=DECODE_CODE) for r in e2e)     # a decoding's code: the trial's and e2e
