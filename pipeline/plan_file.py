@@ -17,8 +17,9 @@ A trial planned by several studies appears once per study (it is trained once an
 Two forms. `kvshot plan` writes the profile's plan before anything ran, without fingerprints (they hash the data,
 which exist only in a workspace after the data stages). A sweep writes the plan it executes into the workspace,
 `runs/<study>/plan.json` (`write_study_plan`), with each trial's fingerprint, merging parts run one after another
-by trial name: what the e2e stage decodes is read from it (`study_plan`), so a study swept with axes on top of the
-profile's (`kvshot sweep --study S KEY=V`) is decoded as it ran. Metrics rows and MLflow runs carry each trial's
+by trial name: what the e2e stage decodes is read from it (`read_study_plan`), so a study swept with axes on top of
+the profile's (`kvshot sweep --study S KEY=V`) is decoded as it ran, and `kvshot study-results` keeps it beside the
+committed metrics (metrics/plans/<study>.json). Metrics rows and MLflow runs carry each trial's
 baseline and role, which the planner named; the report reads them from the rows (rows from before are read by
 the same rules, `stages.baselines`). The budget asks the planner: it runs before any workspace exists (DESIGN §8).
 """
