@@ -47,6 +47,10 @@ CLAIMS = {
     "B": "block-wise drafting lets the KV path pay off: the best KV-reading block drafter beats the hidden-state "
          "block drafter (step MAT and τ)",
 }
+# The studies each claim's verdict reads (B: the block study, at the learning rates block_lr chooses).
+CLAIM_STUDIES: dict[str, tuple[str, ...]] = {"P1": ("injection", "depth"), "P2": ("depth",),
+                                             "P3": ("injection", "depth"), "H": ("hybrid",), "E": ("scale",),
+                                             "B": ("block", "block_lr")}
 NAMES = {"acc_0": "acc_0", "acc_6": "acc_6", "step_mat": "step MAT", "step_retention": "step retention",
          "chain_mat": "chain MAT", "tau": "τ"}
 

@@ -31,11 +31,11 @@ import yaml
 from stages.baselines import baseline_for, difference
 from stages.common import Paths, Report, write_text_atomic
 from stages.engine_report import ENGINE_METRICS, engine_section
-from stages.findings import MISSING, Verdict, findings, fmt_ci
+from stages.findings import CLAIM_STUDIES, MISSING, Verdict, findings, fmt_ci
 from stages.report_cells import PAPER_LABEL, cell, md_table, paper_cell, paper_row, tree_text
 from stages.report_figures import FigureDir, plot_e2e, plot_retention, plot_steps
 from stages.report_provenance import (OTHER_CODE, main_code, not_run_yet, on_other_code, parts_provenance,
-                                      provenance_table, study_provenance)
+                                      planned_not_run, provenance_table, study_provenance)
 from stages.report_validation import is_validation, validation_section
 from stages.results import (LOOKUP_KIND, PAPER_TREE, E2EGroup, Results, Setting, collect, label, read_rows,
                             scale_order, sort_key, variant_name)
@@ -400,8 +400,13 @@ def _introduction(params: ReportParams) -> list[str]:
             "defined in the repository's glossary, `docs/glossary.md`.", ""]
 
 
-def _findings_section(params: ReportParams, verdicts: list[Verdict], demo_steps: float | None) -> list[str]:
-    """One verdict per claim; in a demonstration (`demo_steps`: too little training) each marked not decided."""
+PROVISIONAL = "provisional"
+
+
+def _findings_section(params: ReportParams, verdicts: list[Verdict], demo_steps: float | None,
+                      pending: dict[str, dict[str, str]]) -> list[str]:
+    """One verdict per claim; in a demonstration (`demo_steps`: too little training) each marked not decided; a
+    verdict whose studies' plans hold trials without rows yet (`pending`) marked provisional."""
     pct = round(params.level * 100)
     md = ["## Findings", "",
           f"A claim *holds* or *does not hold* only when the {pct}% interval of its difference excludes 0; "
@@ -417,9 +422,19 @@ def _findings_section(params: ReportParams, verdicts: list[Verdict], demo_steps:
                "in the study profile's report.", ""]
     shown = [f"**{NOT_DECIDED}** (interval: {v.verdict})" if demo and v.verdict != MISSING else f"**{v.verdict}**"
              for v in verdicts]
+    waiting = {v.claim: [s for s in CLAIM_STUDIES.get(v.claim, ()) if s in pending] for v in verdicts
+               if v.verdict != MISSING}
+    shown = [f"{text} ({PROVISIONAL})" if waiting.get(v.claim) else text for v, text in zip(verdicts, shown)]
     md.append(md_table(pd.DataFrame([[v.claim, v.statement, text, v.evidence] for v, text in zip(verdicts, shown)],
                                     columns=["claim", "statement", "verdict", "evidence"])))
     md.append("")
+    if any(waiting.values()):
+        studies = sorted({s for names in waiting.values() for s in names})
+        md += [f"**{PROVISIONAL.capitalize()}**: a verdict that reads a study whose plan holds trials without rows "
+               "yet; it may change when they run. "
+               + "; ".join(f"{s}: {len(pending[s])} planned trials not run yet, read by "
+                           f"{', '.join(c for c, names in waiting.items() if s in names)}" for s in studies)
+               + " (each trial and the part that runs it: *Failed and missing trials*).", ""]
     return md
 
 
@@ -579,7 +594,8 @@ def run(params: ReportParams, context: dict, paths: Paths, report: Report) -> No
     verdicts = findings(inp.studies, inp.e2e if inp.res.e2e is not None else None, inp.scales,
                         params.much_smaller_ratio, params.level)
     demo_steps = demonstration_steps(params, inp.studies)
-    md = _introduction(params) + _findings_section(params, verdicts, demo_steps)
+    pending = planned_not_run(inp.context, {n for n in inp.res.names if inp.res.raw[n] is not None})
+    md = _introduction(params) + _findings_section(params, verdicts, demo_steps, pending)
     for name in inp.res.names:
         md += _study_section(inp, name) if name not in inp.validation else \
             validation_section(name, inp.validation[name], inp.res.raw[name] or [],

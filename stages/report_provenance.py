@@ -107,18 +107,26 @@ def study_provenance(res: Results, context: dict) -> pd.DataFrame:
                                                        "end to end", "machine"])
 
 
-def not_run_yet(context: dict, measured: set[str]) -> list[list[str]]:
-    """Trials the profile plans in a study that has metrics but for which no row of their settings exists yet (the
-    parts' `missing` trials, `pipeline.budget`): one problem row each, naming the part that runs it."""
+def planned_not_run(context: dict, measured: set[str]) -> dict[str, dict[str, str]]:
+    """Per study that has metrics: the trials the profile plans for which no row of their settings exists yet (the
+    parts' `missing` trials, `pipeline.budget`), each with the part that runs it (`(whole)` for a study without
+    parts)."""
     replayed = context.get("parts_replayed") if isinstance(context.get("parts_replayed"), dict) else {}
-    out, seen = [], set()
+    out: dict[str, dict[str, str]] = {}
     for key, got in replayed.items():
         study, _, part = key.partition("/")
         for trial in (got.get("missing") or []) if isinstance(got, dict) and study in measured else []:
-            if (study, trial) not in seen:
-                seen.add((study, trial))
-                where = f"`kvshot repro --part {study}/{part}`" if part != "(whole)" else f"study {study}"
-                out.append([study, str(trial), "–", "not run yet", f"planned by the profile; {where} runs it"])
+            out.setdefault(study, {}).setdefault(str(trial), part)
+    return out
+
+
+def not_run_yet(context: dict, measured: set[str]) -> list[list[str]]:
+    """One problem row per planned trial without a row yet (`planned_not_run`), naming the part that runs it."""
+    out = []
+    for study, trials in planned_not_run(context, measured).items():
+        for trial, part in trials.items():
+            where = f"`kvshot repro --part {study}/{part}`" if part != "(whole)" else f"study {study}"
+            out.append([study, trial, "–", "not run yet", f"planned by the profile; {where} runs it"])
     return out
 
 

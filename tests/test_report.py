@@ -426,6 +426,28 @@ def test_a_study_run_in_parts_sums_its_parts_times_and_machines():
     assert study_entries({"sweep:scale": "A", "sweep:scale --only train.seed=1": "B"}, "sweep", "scale") == ["A", "B"]
 
 
+def test_a_verdict_on_a_study_with_planned_trials_not_run_is_provisional(tmp_path):
+    """While a study's plan holds trials without rows (a rerun halfway), the verdicts that read it say so, and
+    the findings name the study, how many trials are waiting and which claims read it; the others do not."""
+    paths = project(tmp_path)
+    replayed = {"hybrid/seeds34": {"trials": 4, "missing": ["hybrid-ckpt-s3", "eagle3-continued-s3"]},
+                "hybrid/seed0": {"trials": 4, "replayed_s": 60.0}}
+    run(FAST, {**CONTEXT, "parts_replayed": replayed}, paths, lambda m: None)
+    findings_md = section((paths.reports / "README.md").read_text(), "Findings")
+    verdicts = {row[0]: row[2] for row in (_cells(ln) for ln in findings_md.splitlines() if ln.startswith("| "))
+                if row[0] in ("P1", "P2", "P3", "H", "E", "B")}
+    assert verdicts["H"].endswith("** (provisional)"), verdicts
+    assert not any("provisional" in v for c, v in verdicts.items() if c != "H"), verdicts
+    assert "hybrid: 2 planned trials not run yet, read by H" in findings_md
+    run(FAST, {**CONTEXT, "parts_replayed": {"hybrid/seed0": {"trials": 4, "replayed_s": 60.0}}}, paths,
+        lambda m: None)
+    assert "provisional" not in section((paths.reports / "README.md").read_text(), "Findings")
+
+
+def _cells(line: str) -> list[str]:
+    return [c.strip() for c in line.strip().strip("|").split("|")]
+
+
 def test_each_part_states_its_one_go_wall_time_and_the_budget(tmp_path):
     """The parts table: a part run from a fresh workspace is held to the budget, one run where the data stages
     were already there is not (its time leaves them out), one never run in one go says so."""
