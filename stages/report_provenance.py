@@ -107,15 +107,16 @@ def study_provenance(res: Results, context: dict) -> pd.DataFrame:
                                                        "end to end", "machine"])
 
 
-def planned_not_run(context: dict, measured: set[str]) -> dict[str, dict[str, str]]:
-    """Per study that has metrics: the trials the profile plans for which no row of their settings exists yet (the
-    parts' `missing` trials, `pipeline.budget`), each with the part that runs it (`(whole)` for a study without
-    parts)."""
+def planned_not_run(context: dict, measured: set[str] | None = None) -> dict[str, dict[str, str]]:
+    """Per study (that has metrics, when `measured` names those): the trials the profile plans for which no row of
+    their settings exists yet (the parts' `missing` trials, `pipeline.budget`), each with the part that runs it
+    (`(whole)` for a study without parts)."""
     replayed = context.get("parts_replayed") if isinstance(context.get("parts_replayed"), dict) else {}
     out: dict[str, dict[str, str]] = {}
     for key, got in replayed.items():
         study, _, part = key.partition("/")
-        for trial in (got.get("missing") or []) if isinstance(got, dict) and study in measured else []:
+        wanted = isinstance(got, dict) and (measured is None or study in measured)
+        for trial in (got.get("missing") or []) if wanted else []:
             out.setdefault(study, {}).setdefault(str(trial), part)
     return out
 
