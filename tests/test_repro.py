@@ -209,7 +209,9 @@ def test_a_part_of_a_study_runs_in_one_go_from_a_fresh_workspace(tmp_path):
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
     ws = tmp_path / "smoke"
     assert sorted(p.name for p in (ws / "runs").iterdir()) == ["block"]
-    assert sorted(p.name for p in (ws / "runs" / "block").iterdir()) == ["block-hidden", "block-kv"]
+    assert sorted(p.name for p in (ws / "runs" / "block").iterdir()) == ["block-hidden", "block-kv", "plan.json"]
+    assert {e.name: e.parts for e in read_study_plan(Paths(ws), "block")} == {"block-hidden": ["blocks"],
+                                                                              "block-kv": ["blocks"]}
     assert [p.name for p in (ws / "metrics" / "stepwise").glob("*.json")] == ["block.json"]
     assert {r["trial"] for r in json.loads((ws / "metrics" / "e2e.json").read_text())} == {"block-hidden",
                                                                                           "block-kv"}
