@@ -166,13 +166,14 @@ def e2e(overrides: Optional[list[str]] = OverridesArg, profile: Optional[str] = 
         part: Optional[str] = PartOpt):
     """Tree speculative decoding with the trained drafters -> metrics/e2e.json."""
     def body():
+        from pipeline.plan_file import decoded_runs
         from stages import e2e as stage
         cfg, paths = _setup(profile, overrides, root, check=False)
         if study is not None and study not in cfg.studies:
             _fail(f"--study {study}: not a study of this profile (it has {', '.join(cfg.studies) or 'none'})")
         wanted.update(_part_or_only(cfg, study, part, only))
         check_hardware(cfg)
-        run_dirs = _e2e_run_dirs(cfg, paths, study, wanted)
+        run_dirs = decoded_runs(cfg, paths, study, wanted)
         if wanted and not run_dirs:
             what = f"--part {part}" if part else f"--only {' --only '.join(only or [])}"
             _fail(f"{what}: no trained drafter of "
@@ -210,46 +211,6 @@ def _print_e2e(rows: list[dict]) -> None:
     out = console if console.is_terminal else Console(stderr=True, width=120)   # logs: no 80-column squeeze
     out.print(table)
     out.print(e2e_baselines(rows), highlight=False, soft_wrap=True)
-
-
-def _e2e_run_dirs(cfg: Config, paths, only_study: str | None = None, only: dict | None = None) -> list[Path]:
-    """The drafters the plan decodes end to end: of every study marked e2e, the trials its plan marks `e2e` (the
-    plan its sweep wrote into the workspace, runs/<study>/plan.json; the profile's plan where no sweep wrote one),
-    each finished run once (a run adopted by several studies has one fingerprint), plus any checkpoints named in
-    e2e.checkpoints. `only_study`: that study's drafters alone (all of them when it is not marked e2e); `only`:
-    those of them with these settings (resolved KEY -> values)."""
-    from pipeline.config import resolve_key
-    from pipeline.plan_file import plan_file, read_study_plan
-
-    def matches(config: dict, wanted: dict) -> bool:
-        for key, values in wanted.items():
-            section, _, name = resolve_key(key).partition(".")
-            if config.get(section, {}).get(name) not in (values if isinstance(values, list) else [values]):
-                return False
-        return True
-
-    profile_plan = None
-    dirs, seen = [], set()
-    for name, study in cfg.studies.items():
-        if (only_study is not None and name != only_study) or (only_study is None and not study.e2e):
-            continue
-        entries = read_study_plan(paths, name)
-        if entries is None:
-            profile_plan = profile_plan or plan_file(cfg)
-            entries = profile_plan.of_study(name)
-        for e in entries:
-            run = paths.root / "runs" / name / e.name
-            if not (run / "model.safetensors").is_file() or (study.e2e and not e.e2e):
-                continue
-            if only and not matches(e.config, only):
-                continue
-            fp = (run / "fingerprint").read_text().strip() if (run / "fingerprint").is_file() else str(run)
-            if e.fingerprint and fp != e.fingerprint:
-                continue                       # not the trial the plan ran (its sweep has not run it again)
-            if fp not in seen:
-                seen.add(fp)
-                dirs.append(run)
-    return dirs + ([] if only_study or only else [Path(p) for p in cfg.e2e.checkpoints])
 
 
 @app.command("export")

@@ -17,7 +17,7 @@ A trial planned by several studies appears once per study (it is trained once an
 Two forms. `kvshot plan` writes the profile's plan before anything ran, without fingerprints (they hash the data,
 which exist only in a workspace after the data stages). A sweep writes the plan it executes into the workspace,
 `runs/<study>/plan.json` (`write_study_plan`), with each trial's fingerprint, merging parts run one after another
-by trial name: what the e2e stage decodes is read from it (`read_study_plan`), so a study swept with axes on top of
+by trial name: what the e2e stage decodes is read from it (`decoded_runs`), so a study swept with axes on top of
 the profile's (`kvshot sweep --study S KEY=V`) is decoded as it ran, and `kvshot study-results` keeps it beside the
 committed metrics (metrics/plans/<study>.json). Metrics rows and MLflow runs carry each trial's
 baseline and role, which the planner named; the report reads them from the rows (rows from before are read by
@@ -30,7 +30,7 @@ from typing import Any
 
 from pydantic import BaseModel, ValidationError
 
-from pipeline.config import Config, ConfigError
+from pipeline.config import Config, ConfigError, resolve_key
 from pipeline.parts import check_parts, decodes_any
 from pipeline.plan import Role, plan
 from pipeline.trial import Trial
@@ -116,3 +116,41 @@ def write_study_plan(trials: list[Trial], paths: Paths, parts: dict[str, set[str
     path.parent.mkdir(parents=True, exist_ok=True)
     write_text_atomic(path, PlanFile(profile=cfg.profile, trials=entries).model_dump_json(indent=1) + "\n")
     return path
+
+
+def decoded_runs(cfg: Config, paths: Paths, only_study: str | None = None,
+                 only: dict | None = None) -> list[Path]:
+    """The drafters the plan decodes end to end: of every study marked e2e, the trials its plan marks `e2e` (the
+    plan its sweep wrote into the workspace, runs/<study>/plan.json; the profile's plan where no sweep wrote one),
+    each finished run once (a run adopted by several studies has one fingerprint), plus any checkpoints named in
+    e2e.checkpoints. `only_study`: that study's drafters alone (all of them when it is not marked e2e); `only`:
+    those of them with these settings (resolved KEY -> values)."""
+    def matches(config: dict, wanted: dict) -> bool:
+        for key, values in wanted.items():
+            section, _, name = resolve_key(key).partition(".")
+            if config.get(section, {}).get(name) not in (values if isinstance(values, list) else [values]):
+                return False
+        return True
+
+    profile_plan = None
+    dirs, seen = [], set()
+    for name, study in cfg.studies.items():
+        if (only_study is not None and name != only_study) or (only_study is None and not study.e2e):
+            continue
+        entries = read_study_plan(paths, name)
+        if entries is None:
+            profile_plan = profile_plan or plan_file(cfg)
+            entries = profile_plan.of_study(name)
+        for e in entries:
+            run = paths.root / "runs" / name / e.name
+            if not (run / "model.safetensors").is_file() or (study.e2e and not e.e2e):
+                continue
+            if only and not matches(e.config, only):
+                continue
+            fp = (run / "fingerprint").read_text().strip() if (run / "fingerprint").is_file() else str(run)
+            if e.fingerprint and fp != e.fingerprint:
+                continue                       # not the trial the plan ran (its sweep has not run it again)
+            if fp not in seen:
+                seen.add(fp)
+                dirs.append(run)
+    return dirs + ([] if only_study or only else [Path(p) for p in cfg.e2e.checkpoints])

@@ -89,7 +89,7 @@ def test_paper_profile_fails_fast_without_a_gpu():
 def test_e2e_decodes_what_the_plan_marks_each_run_once(tmp_path):
     """The e2e stage decodes the trials a study's plan marks e2e (the plan its sweep wrote, runs/<study>/plan.json),
     each finished run once (a run adopted by another e2e study has its fingerprint)."""
-    from pipeline.cli import _e2e_run_dirs
+    from pipeline.plan_file import decoded_runs
     from pipeline.config import load_config, with_values
     from pipeline.plan_file import PlanFile, PlannedTrial, study_plan_path
     from stages.common import Paths
@@ -115,18 +115,18 @@ def test_e2e_decodes_what_the_plan_marks_each_run_once(tmp_path):
     run("block", "block-hidden", "large", "e", planned_fp="f")  # a stale run: not the trial the plan ran
     cfg = with_values(load_config("smoke"), {"studies": {"scale": {"e2e": {"train.scale": ["large"]}},
                                                          "block": {"e2e": True}, "depth": {}}})
-    assert _e2e_run_dirs(cfg, paths) == [large, own]
+    assert decoded_runs(cfg, paths) == [large, own]
     # a part: `kvshot e2e --only train.scale=small` decodes the marked studies' small drafters alone
-    assert _e2e_run_dirs(cfg, paths, only={"train.scale": ["small"]}) == []
-    assert _e2e_run_dirs(cfg, paths, only={"train.scale": ["large"]}) == [large, own]
+    assert decoded_runs(cfg, paths, only={"train.scale": ["small"]}) == []
+    assert decoded_runs(cfg, paths, only={"train.scale": ["large"]}) == [large, own]
     # `--study depth`: a study not marked e2e decodes all of its drafters when named
     deep = run("depth", "kv_only-d4", "small", "d", e2e=False)
-    assert _e2e_run_dirs(cfg, paths, "depth") == [deep]
-    assert _e2e_run_dirs(cfg, paths, "scale") == [large]     # its plan's marks still apply
+    assert decoded_runs(cfg, paths, "depth") == [deep]
+    assert decoded_runs(cfg, paths, "scale") == [large]     # its plan's marks still apply
 
 
 def test_e2e_reads_the_profiles_plan_where_no_sweep_wrote_one(tmp_path):
-    from pipeline.cli import _e2e_run_dirs
+    from pipeline.plan_file import decoded_runs
     from pipeline.config import load_config
     from pipeline.plan_file import plan_file
     from stages.common import Paths
@@ -142,7 +142,7 @@ def test_e2e_reads_the_profiles_plan_where_no_sweep_wrote_one(tmp_path):
     other = next(e for e in plan_file(cfg).trials if not e.e2e and e.study in {m.study for m in marked})
     (tmp_path / "runs" / other.study / other.name).mkdir(parents=True)
     (tmp_path / "runs" / other.study / other.name / "model.safetensors").write_bytes(b"x")
-    got = _e2e_run_dirs(cfg, Paths(tmp_path))
+    got = decoded_runs(cfg, Paths(tmp_path))
     assert [(d.parent.name, d.name) for d in got] == [(e.study, e.name) for e in marked]
 
 
