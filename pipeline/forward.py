@@ -30,7 +30,8 @@ class Forward:
         from pipeline.config import flatten
 
         tags = {"trial": t.name, "variant": t.variant, "fingerprint": t.fingerprint, "git_commit": self.commit,
-                "depends_on": t.depends_on or "", "baseline": t.baseline or "", "role": t.role, **{f"data_hash.{k}": v for k, v in t.data_hashes.items()}}
+                "depends_on": t.depends_on or "", "baseline": t.baseline or "", "role": t.role,
+                **{f"data_hash.{k}": v for k, v in t.data_hashes.items()}}
         params = flatten(t.config)
         params.update({f"sweep.{k}": v for k, v in t.values.items()})
         return params, tags

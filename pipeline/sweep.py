@@ -7,9 +7,9 @@
 
 Planning is pure (`pipeline.plan`: no Ray, no files). Running: every trial gets a fingerprint
 (pipeline.fingerprint), and the trials with their fingerprints, roles and baselines are written into
-runs/<study>/plan.json (`pipeline.plan_file`), which the e2e stage reads; a trial whose runs/<study>/<trial>/ holds the same fingerprint and a result.json is
-skipped and its row reused, so a re-run does nothing, a grid grown by a value runs only the new trials, and a
-killed sweep resumes. The rest run on Ray Tune (`pipeline.executor`), one experiment per dependency wave: the
+runs/<study>/plan.json (`pipeline.plan_file`), which the e2e stage reads; a trial whose runs/<study>/<trial>/
+holds the same fingerprint and a result.json is skipped and its row reused, so a re-run does nothing, a grid grown
+by a value runs only the new trials, and a killed sweep resumes. The rest run on Ray Tune (`pipeline.executor`), one experiment per dependency wave: the
 parents first, then the hybrid/cross_only children and continued eagle3s that load their checkpoints; at most
 `ray.max_concurrent` at a time with `ray.cpus_per_trial` / `ray.gpus_per_trial` each, and within a wave the trial
 with the most estimated training ahead of it (its own and its children's) first, so a wave ends on short trials

@@ -249,7 +249,8 @@ def test_the_executed_plans_merge_beside_the_metrics(folders):
 
     results, ws, staging = folders
     (results / "metrics" / "plans").mkdir()
-    (results / "metrics" / "plans" / "depth.json").write_text(plan_of("eagle3", "eagle3-s1", fp="old").model_dump_json())
+    committed = plan_of("eagle3", "eagle3-s1", fp="old")
+    (results / "metrics" / "plans" / "depth.json").write_text(committed.model_dump_json())
     (results / "metrics" / "plans" / "injection.json").write_text(plan_of("kv_only").model_dump_json())
     (ws / "runs" / "depth").mkdir(parents=True)
     (ws / "runs" / "depth" / "plan.json").write_text(plan_of("eagle3-s1", "eagle3-s2").model_dump_json())
