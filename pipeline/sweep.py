@@ -19,6 +19,7 @@ marked failed in MLflow and in metrics/stepwise/<study>.json, the others finish,
 """
 from __future__ import annotations
 
+import json
 import time
 from pathlib import Path
 from typing import Any
@@ -53,7 +54,7 @@ def run_sweep(trials: list[Trial], paths: Paths, trial_fn: TrialFn = run_trial, 
     start = time.perf_counter()
     write_validation_sets(trials, paths)
     fingerprint_trials(trials, paths)
-    write_study_plan(trials, paths, parts)
+    plan_path = write_study_plan(trials, paths, parts)
 
     rows = _finished_rows(trials, paths)
     skipped = [t.name for t in trials if t.name in rows]
@@ -64,7 +65,7 @@ def run_sweep(trials: list[Trial], paths: Paths, trial_fn: TrialFn = run_trial, 
     commit = git_commit(paths.root)
     for t in todo:
         t.commit = commit
-    parent_id = _start_parent_run(tracker, trials, commit, skipped)
+    parent_id = _start_parent_run(tracker, trials, commit, skipped, plan_path)
     forward = Forward(tracker, parent_id, {t.name: t for t in trials}, commit, console)
     for t in trials:   # trials already finished get their child run now: the parent lists the whole study
         if t.name in rows:
@@ -112,15 +113,19 @@ def _finished_rows(trials: list[Trial], paths: Paths) -> dict[str, dict]:
     return rows
 
 
-def _start_parent_run(tracker: Any, trials: list[Trial], commit: str, skipped: list[str]) -> str | None:
-    """The sweep's MLflow parent run (None without tracking)."""
+def _start_parent_run(tracker: Any, trials: list[Trial], commit: str, skipped: list[str],
+                      plan_path: Path) -> str | None:
+    """The sweep's MLflow parent run, holding the study's plan as it executes it (`plan.json`); None without
+    tracking."""
     if not tracker:
         return None
     study = trials[0].study
-    return tracker.start_run(
+    run_id = tracker.start_run(
         f"sweep-{study}-{time.strftime('%Y%m%d-%H%M%S')}",
         params={"sweep.study": study, "sweep.trials": len(trials), "sweep.keys": ",".join(varying_keys(trials))},
         tags={"sweep": "parent", "git_commit": commit, "skipped": ",".join(skipped)})
+    tracker.log_dict(run_id, json.loads(plan_path.read_text()), "plan.json")
+    return run_id
 
 
 def _end_parent_run(tracker: Any, result: SweepResult, wall_s: float) -> None:

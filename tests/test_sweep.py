@@ -479,6 +479,7 @@ def test_sweep_tracks_reruns_nothing_and_grows(ray_local, project):
     assert [(e.name, e.fingerprint, e.role) for e in executed] == [(r["trial"], r["fingerprint"], "trial")
                                                                    for r in stepwise]
     assert all(c.data.tags["role"] == "trial" for c in children)
+    assert "plan.json" in [a.path for a in client.list_artifacts(parents[0].info.run_id)]   # the plan, in MLflow too
 
     # the dry run now shows them done
     console = Console(record=True, width=200)
