@@ -99,8 +99,8 @@ def read_study_plan(paths: Paths, study: str) -> list[PlannedTrial] | None:
     try:
         return PlanFile.model_validate_json(path.read_text()).trials
     except ValidationError as exc:
-        raise ConfigError(f"{path}: not a plan file ({exc.error_count()} errors; rerun `kvshot sweep --study "
-                          f"{study}` to write it again)") from None
+        raise ConfigError(f"{path}: not a plan file ({exc.error_count()} errors); remove it and run the study's "
+                          "sweeps again: they write it anew, adopting the finished trials") from None
 
 
 def write_study_plan(trials: list[Trial], paths: Paths, parts: dict[str, set[str]] | None = None) -> Path:
