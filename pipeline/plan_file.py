@@ -124,7 +124,8 @@ def decoded_runs(cfg: Config, paths: Paths, only_study: str | None = None,
     plan its sweep wrote into the workspace, runs/<study>/plan.json; the profile's plan where no sweep wrote one),
     each finished run once (a run adopted by several studies has one fingerprint), plus any checkpoints named in
     e2e.checkpoints. `only_study`: that study's drafters alone (all of them when it is not marked e2e); `only`:
-    those of them with these settings (resolved KEY -> values)."""
+    those of them with these settings (resolved KEY -> values). A profile whose `e2e` filter marks other trials
+    than the written plan does (edited since the sweep ran) is a one-line error saying to run the sweep again."""
     def matches(config: dict, wanted: dict) -> bool:
         for key, values in wanted.items():
             section, _, name = resolve_key(key).partition(".")
@@ -141,6 +142,12 @@ def decoded_runs(cfg: Config, paths: Paths, only_study: str | None = None,
         if entries is None:
             profile_plan = profile_plan or plan_file(cfg)
             entries = profile_plan.of_study(name)
+        stale = [e.name for e in entries if study.e2e and e.e2e != (study.e2e is True or matches(e.config, study.e2e))]
+        if stale:
+            listed = ", ".join(stale[:3]) + (", ..." if len(stale) > 3 else "")
+            raise ConfigError(f"studies.{name}.e2e: marks other trials than the plan its sweep ran "
+                              f"({study_plan_path(paths, name)}: {listed}); run `kvshot sweep --study {name}` to "
+                              "write the plan anew (it adopts the finished trials)")
         for e in entries:
             run = paths.root / "runs" / name / e.name
             if not (run / "model.safetensors").is_file() or (study.e2e and not e.e2e):

@@ -90,7 +90,7 @@ def test_e2e_decodes_what_the_plan_marks_each_run_once(tmp_path):
     """The e2e stage decodes the trials a study's plan marks e2e (the plan its sweep wrote, runs/<study>/plan.json),
     each finished run once (a run adopted by another e2e study has its fingerprint)."""
     from pipeline.plan_file import decoded_runs
-    from pipeline.config import load_config, with_values
+    from pipeline.config import ConfigError, load_config, with_values
     from pipeline.plan_file import PlanFile, PlannedTrial, study_plan_path
     from stages.common import Paths
 
@@ -123,6 +123,11 @@ def test_e2e_decodes_what_the_plan_marks_each_run_once(tmp_path):
     deep = run("depth", "kv_only-d4", "small", "d", e2e=False)
     assert decoded_runs(cfg, paths, "depth") == [deep]
     assert decoded_runs(cfg, paths, "scale") == [large]     # its plan's marks still apply
+    # a profile whose e2e filter no longer says what the sweep's plan marks: an error saying what to run
+    changed = with_values(cfg, {"studies": {"scale": {"e2e": {"train.scale": ["small"]}}}})
+    with pytest.raises(ConfigError, match=r"studies.scale.e2e: marks other trials than the plan its sweep ran .*"
+                                          r"run `kvshot sweep --study scale`"):
+        decoded_runs(changed, paths)
 
 
 def test_e2e_reads_the_profiles_plan_where_no_sweep_wrote_one(tmp_path):
