@@ -334,7 +334,7 @@ def sweep(overrides: Optional[list[str]] = OverridesArg, profile: Optional[str] 
                 show_parts(parts, Console(), paths)
             return UNTIMED
         check_hardware(cfg)
-        result = run_sweep(trials, paths, parts={name: {m.name for m in members} for name, members in parts.items()})
+        result = run_sweep(trials, paths, parts=parts)
         write_curves(paths, trials[0].study if trials else (study or "adhoc"))
         if result.failed:
             _fail(f"{result.failed} of {len(trials)} trials failed: {', '.join(result.failed_names)}")

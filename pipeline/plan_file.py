@@ -62,18 +62,14 @@ class PlanFile(BaseModel):
         return [t for t in self.trials if t.study == study]
 
 
-def planned(t: Trial, cfg: Config, parts: dict[str, set[str]]) -> PlannedTrial:
-    """A trial of the plan as written down; `parts`: each part of its study with the names of its trials."""
+def planned(t: Trial, cfg: Config, parts: dict[str, list[Trial]]) -> PlannedTrial:
+    """A trial of the plan as written down; `parts`: its study's parts with their trials (`check_parts`)."""
     return PlannedTrial(
         name=t.name, study=t.study, variant=t.variant, values=t.values, parent=t.depends_on, baseline=t.baseline,
-        role=t.role, parts=[name for name, members in parts.items() if t.name in members],
+        role=t.role, parts=[name for name, members in parts.items() if any(m.name == t.name for m in members)],
         e2e=t.study in cfg.studies and decodes_any(cfg, t.study, [t]),
         evaluated_on=t.config.eval.data or "eval split", config=t.config.model_dump(mode="json"),
         fingerprint=t.fingerprint)
-
-
-def _parts(cfg: Config, study: str, trials: list[Trial]) -> dict[str, set[str]]:
-    return {name: {m.name for m in members} for name, members in check_parts(trials, cfg, study).items()}
 
 
 def plan_file(cfg: Config) -> PlanFile:
@@ -81,7 +77,7 @@ def plan_file(cfg: Config) -> PlanFile:
     entries = []
     for study in cfg.studies:
         trials = plan(cfg, study=study)
-        parts = _parts(cfg, study, trials)
+        parts = check_parts(trials, cfg, study)
         entries += [planned(t, cfg, parts) for t in trials]
     return PlanFile(profile=cfg.profile, trials=entries)
 
@@ -90,22 +86,26 @@ def study_plan_path(paths: Paths, study: str) -> Path:
     return paths.root / "runs" / study / PLAN_FILE
 
 
+def read_plan(path: Path, hint: str = "") -> PlanFile:
+    """A plan file; a damaged one is a one-line error naming it (`hint`: what to do about it)."""
+    try:
+        return PlanFile.model_validate_json(path.read_text())
+    except ValidationError as exc:
+        raise ConfigError(f"{path}: not a plan file ({exc.error_count()} errors){hint}") from None
+
+
 def read_study_plan(paths: Paths, study: str) -> list[PlannedTrial] | None:
-    """The plan a sweep of `study` wrote into the workspace; None before one ran. A damaged file is a one-line
-    error naming it."""
+    """The plan a sweep of `study` wrote into the workspace; None before one ran."""
     path = study_plan_path(paths, study)
     if not path.is_file():
         return None
-    try:
-        return PlanFile.model_validate_json(path.read_text()).trials
-    except ValidationError as exc:
-        raise ConfigError(f"{path}: not a plan file ({exc.error_count()} errors); remove it and run the study's "
-                          "sweeps again: they write it anew, adopting the finished trials") from None
+    return read_plan(path, "; remove it and run the study's sweeps again: they write it anew, adopting the "
+                           "finished trials").trials
 
 
-def write_study_plan(trials: list[Trial], paths: Paths, parts: dict[str, set[str]] | None = None) -> Path:
-    """Write the plan a sweep executes (its trials, fingerprinted; `parts`: each part of the study with the names
-    of its trials) into runs/<study>/plan.json. The entries of the study's other trials stay (a study run in parts
+def write_study_plan(trials: list[Trial], paths: Paths, parts: dict[str, list[Trial]] | None = None) -> Path:
+    """Write the plan a sweep executes (its trials, fingerprinted; `parts`: the study's parts with their trials,
+    `check_parts`) into runs/<study>/plan.json. The entries of the study's other trials stay (a study run in parts
     gains one part's trials at a time); a trial run again replaces its entry in place."""
     cfg: Config = trials[0].config
     study = trials[0].study

@@ -23,9 +23,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import yaml
-from pydantic import ValidationError
 
-from pipeline.plan_file import PLAN_FILE, PlanFile, PlannedTrial
+from pipeline.config import ConfigError
+from pipeline.plan_file import PLAN_FILE, PlanFile, read_plan
 from pipeline.provenance import MACHINES, PARTS, TIMINGS
 from stages.common import StageError, write_json_atomic, write_text_atomic
 from stages.engine_report import ENGINE_METRICS
@@ -114,25 +114,19 @@ def _merge_plans(ws_runs: Path, kept: Path, out: Path, combined: set[str]) -> No
     fresh = {p.parent.name: p for p in sorted(ws_runs.glob(f"*/{PLAN_FILE}"))} if ws_runs.is_dir() else {}
     committed = _study_metrics(kept)
     for study in sorted({*fresh, *committed}):
-        entries = _read_plan(fresh[study]) if study in fresh else []
-        if study not in fresh or study in combined:
-            names = {e.name for e in entries}
-            entries = [e for e in (_read_plan(committed[study]) if study in committed else [])
-                       if e.name not in names] + entries
+        plan = _read_plan(fresh.get(study) or committed[study])
+        if study in fresh and study in combined and study in committed:
+            names = {e.name for e in plan.trials}
+            plan.trials = [e for e in _read_plan(committed[study]).trials if e.name not in names] + plan.trials
         out.mkdir(parents=True, exist_ok=True)
-        write_text_atomic(out / f"{study}.json", PlanFile(profile=_profile(fresh.get(study) or committed[study]),
-                                                          trials=entries).model_dump_json(indent=1) + "\n")
+        write_text_atomic(out / f"{study}.json", plan.model_dump_json(indent=1) + "\n")
 
 
-def _read_plan(path: Path) -> list[PlannedTrial]:
+def _read_plan(path: Path) -> PlanFile:
     try:
-        return PlanFile.model_validate_json(path.read_text()).trials
-    except ValidationError as exc:
-        raise StageError(f"{path}: not a plan file ({exc.error_count()} errors)") from None
-
-
-def _profile(path: Path) -> str:
-    return str(_read_json(path, dict, "a plan file").get("profile", ""))
+        return read_plan(path)
+    except ConfigError as exc:
+        raise StageError(str(exc)) from None
 
 
 def _merge_e2e(ws_e2e: Path, kept_e2e: Path, out: Path, combined: set[str] = frozenset()) -> str:

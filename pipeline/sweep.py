@@ -7,15 +7,16 @@
 
 Planning is pure (`pipeline.plan`: no Ray, no files). Running: every trial gets a fingerprint
 (pipeline.fingerprint), and the trials with their fingerprints, roles and baselines are written into
-runs/<study>/plan.json (`pipeline.plan_file`), which the e2e stage reads; a trial whose runs/<study>/<trial>/
-holds the same fingerprint and a result.json is skipped and its row reused, so a re-run does nothing, a grid grown
-by a value runs only the new trials, and a killed sweep resumes. The rest run on Ray Tune (`pipeline.executor`), one experiment per dependency wave: the
-parents first, then the hybrid/cross_only children and continued eagle3s that load their checkpoints; at most
-`ray.max_concurrent` at a time with `ray.cpus_per_trial` / `ray.gpus_per_trial` each, and within a wave the trial
-with the most estimated training ahead of it (its own and its children's) first, so a wave ends on short trials
-rather than one long trial running alone (`pipeline.cost.schedule_order`). Trials report metrics to the driver
-through Tune results and only the driver writes MLflow (`pipeline.forward`). A failing trial fails alone: it is
-marked failed in MLflow and in metrics/stepwise/<study>.json, the others finish, and the result's exit code is 1.
+runs/<study>/plan.json (`pipeline.plan_file`), which the e2e stage reads; a trial whose runs/<study>/<trial>/ holds
+the same fingerprint and a result.json is skipped and its row reused, so a re-run does nothing, a grid grown by a
+value runs only the new trials, and a killed sweep resumes. The rest run on Ray Tune (`pipeline.executor`), one
+experiment per dependency wave: the parents first, then the hybrid/cross_only children and continued eagle3s that
+load their checkpoints; at most `ray.max_concurrent` at a time with `ray.cpus_per_trial` / `ray.gpus_per_trial`
+each, and within a wave the trial with the most estimated training ahead of it (its own and its children's) first,
+so a wave ends on short trials rather than one long trial running alone (`pipeline.cost.schedule_order`). Trials
+report metrics to the driver through Tune results and only the driver writes MLflow (`pipeline.forward`). A failing
+trial fails alone: it is marked failed in MLflow and in metrics/stepwise/<study>.json, the others finish, and the
+result's exit code is 1.
 """
 from __future__ import annotations
 
@@ -39,9 +40,9 @@ from stages.common import Paths, write_json_atomic
 
 
 def run_sweep(trials: list[Trial], paths: Paths, trial_fn: TrialFn = run_trial, console: Console | None = None,
-              track: bool = True, parts: dict[str, set[str]] | None = None) -> SweepResult:
+              track: bool = True, parts: dict[str, list[Trial]] | None = None) -> SweepResult:
     """Run the planned trials (see module doc) and write metrics/stepwise/<study>.json and the plan it executes,
-    runs/<study>/plan.json (`parts`: the study's parts with their trials' names); never raises for a failing
+    runs/<study>/plan.json (`parts`: the study's parts with their trials, `check_parts`); never raises for a failing
     trial (see SweepResult.exit_code). `trial_fn(trial, paths, report) -> row` runs inside a worker."""
     from pipeline.tracking import Tracker, git_commit
 

@@ -34,8 +34,9 @@ from stages.engine_report import ENGINE_METRICS, engine_section
 from stages.findings import CLAIM_STUDIES, MISSING, Verdict, findings, fmt_ci
 from stages.report_cells import PAPER_LABEL, cell, md_table, paper_cell, paper_row, tree_text
 from stages.report_figures import FigureDir, plot_e2e, plot_retention, plot_steps
-from stages.report_provenance import (OTHER_CODE, main_code, not_run_yet, on_other_code, parts_provenance,
-                                      planned_not_run, provenance_table, study_provenance)
+from stages.report_provenance import (OTHER_CODE, PROVISIONAL, main_code, not_run_yet, on_other_code,
+                                      parts_provenance, planned_not_run, provenance_table, provisional_note,
+                                      study_provenance, waiting_studies)
 from stages.report_validation import is_validation, validation_section
 from stages.results import (LOOKUP_KIND, PAPER_TREE, E2EGroup, Results, Setting, collect, label, read_rows,
                             scale_order, sort_key, variant_name)
@@ -400,9 +401,6 @@ def _introduction(params: ReportParams) -> list[str]:
             "defined in the repository's glossary, `docs/glossary.md`.", ""]
 
 
-PROVISIONAL = "provisional"
-
-
 def _findings_section(params: ReportParams, verdicts: list[Verdict], demo_steps: float | None,
                       pending: dict[str, dict[str, str]]) -> list[str]:
     """One verdict per claim; in a demonstration (`demo_steps`: too little training) each marked not decided; a
@@ -422,20 +420,12 @@ def _findings_section(params: ReportParams, verdicts: list[Verdict], demo_steps:
                "in the study profile's report.", ""]
     shown = [f"**{NOT_DECIDED}** (interval: {v.verdict})" if demo and v.verdict != MISSING else f"**{v.verdict}**"
              for v in verdicts]
-    waiting = {v.claim: [s for s in CLAIM_STUDIES.get(v.claim, ()) if s in pending] for v in verdicts
-               if v.verdict != MISSING}
+    waiting = waiting_studies({v.claim: CLAIM_STUDIES.get(v.claim, ()) for v in verdicts if v.verdict != MISSING},
+                              pending)
     shown = [f"{text} ({PROVISIONAL})" if waiting.get(v.claim) else text for v, text in zip(verdicts, shown)]
     md.append(md_table(pd.DataFrame([[v.claim, v.statement, text, v.evidence] for v, text in zip(verdicts, shown)],
                                     columns=["claim", "statement", "verdict", "evidence"])))
-    md.append("")
-    if any(waiting.values()):
-        studies = sorted({s for names in waiting.values() for s in names})
-        md += [f"**{PROVISIONAL.capitalize()}**: a verdict that reads a study whose plan holds trials without rows "
-               "yet; it may change when they run. "
-               + "; ".join(f"{s}: {len(pending[s])} planned trials not run yet, read by "
-                           f"{', '.join(c for c, names in waiting.items() if s in names)}" for s in studies)
-               + " (each trial and the part that runs it: *Failed and missing trials*).", ""]
-    return md
+    return md + ["", *([provisional_note(waiting, pending), ""] if any(waiting.values()) else [])]
 
 
 def _study_section(inp: Inputs, name: str) -> list[str]:

@@ -121,6 +121,24 @@ def planned_not_run(context: dict, measured: set[str] | None = None) -> dict[str
     return out
 
 
+PROVISIONAL = "provisional"
+
+
+def waiting_studies(reads: dict[str, tuple[str, ...]], pending: dict[str, dict[str, str]]) -> dict[str, list[str]]:
+    """Per claim, the studies it reads (`reads`) that hold planned trials without rows yet (`planned_not_run`)."""
+    return {claim: [s for s in studies if s in pending] for claim, studies in reads.items()}
+
+
+def provisional_note(waiting: dict[str, list[str]], pending: dict[str, dict[str, str]]) -> str:
+    """The findings' sentence on provisional verdicts: per waiting study its trials not run yet and its claims."""
+    studies = sorted({s for names in waiting.values() for s in names})
+    return (f"**{PROVISIONAL.capitalize()}**: a verdict that reads a study whose plan holds trials without rows yet; "
+            "it may change when they run. "
+            + "; ".join(f"{s}: {len(pending[s])} planned trials not run yet, read by "
+                        f"{', '.join(c for c, names in waiting.items() if s in names)}" for s in studies)
+            + " (each trial and the part that runs it: *Failed and missing trials*).")
+
+
 def not_run_yet(context: dict, measured: set[str]) -> list[list[str]]:
     """One problem row per planned trial without a row yet (`planned_not_run`), naming the part that runs it."""
     out = []

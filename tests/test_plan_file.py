@@ -134,7 +134,7 @@ def test_a_sweep_writes_the_plan_it_executes_part_by_part(tmp_path):
 
     cfg, paths = load_config("study"), Paths(tmp_path)
     whole = plan(cfg, study="scale")
-    parts = {name: {m.name for m in members} for name, members in check_parts(whole, cfg, "scale").items()}
+    parts = check_parts(whole, cfg, "scale")
     assert read_study_plan(paths, "scale") is None
     first = plan_part(whole, part_filter(cfg, "scale", "small-seed0"))
     for t in first:
