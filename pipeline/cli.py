@@ -314,25 +314,29 @@ def sweep(overrides: Optional[list[str]] = OverridesArg, profile: Optional[str] 
         from pipeline.console import show_parts, show_plan
         from pipeline.parts import check_parts, plan_part
         from pipeline.plan import plan
-        from pipeline.sweep import run_sweep
+        from pipeline.sweep import check_chosen, finished_rows_in, run_sweep
         from stages.common import Paths
 
         rootp = root.resolve()
         _STATE["root"] = rootp
         cfg = load_config(profile, [], root=rootp)
         axes = parse_overrides(overrides or [])
-        trials = plan(cfg, axes, study)
+        cache = os.environ.get("KVSHOT_MODEL_CACHE")
+        paths = Paths(root=rootp, cache=Path(cache) if cache else None)
+        trials = plan(cfg, axes, study, rows_of=finished_rows_in(paths))
         parts = {} if axes else check_parts(trials, cfg, study)
         wanted.update(_part_or_only(cfg, study, part, only))
         if wanted:
             trials = plan_part(trials, wanted)
-        cache = os.environ.get("KVSHOT_MODEL_CACHE")
-        paths = Paths(root=rootp, cache=Path(cache) if cache else None)
+        for t in trials:
+            for c in t.choices:
+                console.print(f"{t.name}: {c.text()}", highlight=False, soft_wrap=True)
         if dry_run:
             show_plan(trials, console=Console(), paths=paths)
             if parts and not wanted:
                 show_parts(parts, Console(), paths)
             return UNTIMED
+        check_chosen(trials, cfg)
         check_hardware(cfg)
         result = run_sweep(trials, paths, parts=parts)
         write_curves(paths, trials[0].study if trials else (study or "adhoc"))
@@ -362,17 +366,22 @@ def _part_or_only(cfg: Config, study: Optional[str], part: Optional[str], only: 
 
 def _repro_part(cfg: Config, profile: str, spec: str) -> int:
     """`kvshot repro --part STUDY/PART`: check the part against the study's plan, then run it in the workspace."""
-    from pipeline.dvc_workspace import repro_part
+    from pipeline.config import ROOT
+    from pipeline.dvc_workspace import repro_part, workspace
     from pipeline.parts import check_parts, decodes_any, part_filter, plan_part
     from pipeline.plan import plan
+    from pipeline.sweep import check_chosen, finished_rows_in
+    from stages.common import Paths
 
     study, _, part = spec.partition("/")
     if study not in cfg.studies or not part:
         raise ConfigError(f"--part {spec!r}: expected STUDY/PART with a study of this profile "
                           f"({', '.join(sorted(cfg.studies)) or 'none'})")
-    trials = plan(cfg, {}, study)
+    ws = Paths(ROOT if profile == "default" else workspace(profile))
+    trials = plan(cfg, {}, study, rows_of=finished_rows_in(ws) if cfg.studies[study].choose else None)
     check_parts(trials, cfg, study)
     mine = plan_part(trials, part_filter(cfg, study, part))
+    check_chosen(mine, cfg)                  # before the data stages: a value still waits for its validation
     check_hardware(cfg)
     return repro_part(cfg, profile, study, part, decodes_any(cfg, study, mine),
                       echo=lambda line: console.print(line, highlight=False))

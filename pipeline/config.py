@@ -56,6 +56,11 @@ class StudyParams(Section):
     # eval split (stages/validation.py): a study that chooses a setting, e.g. a learning rate, on data the verdicts
     # are not measured on; None: the eval split
     validation: int | None = Field(None, ge=1)
+    # {KEY: STUDY}: KEY's value taken from a validation study of the profile, per trial: each trial of this study
+    # that STUDY trains too (the same settings but KEY, seed and evaluation set) takes the value with the highest
+    # validation step MAT there; the others keep the profile's (pipeline/choices.py). STUDY comes first in
+    # `studies` (DVC runs them in that order) and this study does not set KEY itself.
+    choose: dict[str, str] = {}
 
     @field_validator("parts")
     @classmethod

@@ -13,6 +13,7 @@ import json
 import re
 from typing import Any, Literal
 
+from pipeline.choices import Choice, RowsOf, choose, chosen_keys, value_of
 from pipeline.config import Config, ConfigError, resolve_key, with_values
 from pipeline.trial import CKPT_CHILDREN, CONTINUED, Trial, is_continued, needs_parent
 from stages import validation
@@ -159,7 +160,8 @@ def _config_key(cfg: Config) -> str:
 
 # -- the plan ----------------------------------------------------------------------------------------------------
 
-def plan(cfg: Config, axes: dict[str, list[Any]] | None = None, study: str | None = None) -> list[Trial]:
+def plan(cfg: Config, axes: dict[str, list[Any]] | None = None, study: str | None = None,
+         rows_of: RowsOf | None = None) -> list[Trial]:
     """The trials of a sweep, parents first.
 
     - `study` names a study of the profile (`cfg.studies`): its grid, each `include` entry as a single trial, and
@@ -173,6 +175,10 @@ def plan(cfg: Config, axes: dict[str, list[Any]] | None = None, study: str | Non
       schedule. Its config is the parent's with init=continued, the same in every study, so its fingerprint is
       shared and it trains once. With `train.parent` (children of an eagle3 trained on other settings, say the
       small data scale's) the control is the child's own schedule as a continued eagle3, once per schedule.
+    - A study with `choose: {KEY: VALIDATION}` plans each trial the validation study trains too at the value it
+      chose there (`pipeline.choices`) from the finished rows `rows_of` gives (a workspace's); without them, or
+      while they are missing, the choice is pending and the trial keeps the profile's value. Axes given on top
+      that set KEY win over the choice.
     Names are `<variant>-<values that vary>`, unique and stable for the same plan.
     """
     axes = resolve_axes(axes or {})
@@ -182,6 +188,7 @@ def plan(cfg: Config, axes: dict[str, list[Any]] | None = None, study: str | Non
     grid, includes = _study_axes(cfg, study, outer, fixed)
     name = study or ADHOC
     resolved = _resolve(base, _combos(outer, grid, includes), name)
+    picks = _apply_choices(cfg, study, resolved, axes, rows_of)
     validation_size = cfg.studies[study].validation if study in cfg.studies else None
     if validation_size:
         resolved = _on_validation(resolved, validation_size, name)
@@ -190,7 +197,7 @@ def plan(cfg: Config, axes: dict[str, list[Any]] | None = None, study: str | Non
     _add_controls(resolved, parents_by_key, name)
     if validation_size:
         resolved[:] = _on_validation(resolved, validation_size, name)
-    return _trials(resolved, parents_by_key, name)
+    return _trials(resolved, parents_by_key, name, picks)
 
 
 def _study_axes(cfg: Config, study: str | None, outer: dict[str, list[Any]],
@@ -263,6 +270,30 @@ def _on_validation(resolved: Resolved, size: int, name: str) -> Resolved:
     return out
 
 
+def _apply_choices(cfg: Config, study: str | None, resolved: Resolved, axes: dict[str, list[Any]],
+                   rows_of: RowsOf | None) -> dict[int, list[Choice]]:
+    """Set the values the study takes from its validation studies (`choose`) in the trials they train too; the
+    choices by position in `resolved` (pending ones included)."""
+    picks: dict[int, list[Choice]] = {}
+    for key, by in chosen_keys(cfg, study).items():
+        if key in axes:
+            continue                                   # set on the command line: that value, not the choice
+        candidates = plan(cfg, study=by)
+        rows = rows_of(candidates) if rows_of else {}
+        for i, (values, trial_cfg) in enumerate(resolved):
+            picked = choose(trial_cfg, key, by, candidates, rows)
+            if picked is None:
+                continue
+            if needs_parent(trial_cfg):
+                raise ConfigError(f"studies.{study}.choose.{key}: {by} trains a drafter that starts from a "
+                                  "checkpoint; a value is chosen for drafters trained from scratch")
+            picks.setdefault(i, []).append(picked)
+            if picked.value is not None and picked.value != value_of(trial_cfg, key):
+                resolved[i] = (values, with_values(trial_cfg, {key: picked.value},
+                                                   origin=f"study {study}: chosen by {by}"))
+    return picks
+
+
 def _check_parents(resolved: Resolved, name: str) -> None:
     """Only a drafter that starts from an eagle3 checkpoint may name `train.parent`."""
     for _, trial_cfg in resolved:
@@ -305,11 +336,13 @@ def _add_controls(resolved: Resolved, parents_by_key: dict[str, int], name: str)
             controlled.add(key)
 
 
-def _trials(resolved: Resolved, parents_by_key: dict[str, int], name: str) -> list[Trial]:
+def _trials(resolved: Resolved, parents_by_key: dict[str, int], name: str,
+            picks: dict[int, list[Choice]]) -> list[Trial]:
     """The named trials of study `name`, each child pointing at its parent; parents first (stable otherwise)."""
     naming = _naming_keys([v for v, _ in resolved])
     names = _unique_names([(trial_name(c.drafter.variant, v, naming), v) for v, c in resolved])
-    trials = [Trial(name=n, study=name, values=v, config=c) for n, (v, c) in zip(names, resolved)]
+    trials = [Trial(name=n, study=name, values=v, config=c, choices=picks.get(i, []))
+              for i, (n, (v, c)) in enumerate(zip(names, resolved))]
     for t in trials:
         if needs_parent(t.config):
             t.depends_on = trials[parents_by_key[_parent_key(t.config)]].name
@@ -318,11 +351,15 @@ def _trials(resolved: Resolved, parents_by_key: dict[str, int], name: str) -> li
     return sorted(trials, key=lambda t: t.depends_on is not None)
 
 
-def _training(cfg: Config) -> str:
-    """Everything but the drafter: two trials with the same are trained on the same data, schedule and seed."""
+def _training(cfg: Config, chosen: set[str] | frozenset = frozenset()) -> str:
+    """Everything but the drafter and the values chosen per trial (`chosen`: each arm at its own best learning
+    rate): two trials with the same are trained on the same data, schedule and seed."""
     tree = cfg.model_dump()
-    return json.dumps({k: tree[k] for k in ("target", "data", "regenerate", "features", "train", "eval")},
-                      sort_keys=True, default=str)
+    part = {k: dict(tree[k]) for k in ("target", "data", "regenerate", "features", "train", "eval")}
+    for key in chosen:
+        section, _, name = key.partition(".")
+        part.get(section, {}).pop(name, None)
+    return json.dumps(part, sort_keys=True, default=str)
 
 
 def _plain_eagle3(cfg: Config) -> bool:
@@ -345,17 +382,21 @@ def baseline_of(t: Trial, trials: list[Trial]) -> str | None:
         return t.depends_on
     if _plain_eagle3(cfg) or _hidden_block(cfg):
         return None
+
+    def same_training(o: Trial) -> bool:      # each arm at its own chosen values (`choose`)
+        chosen = {c.key for c in t.choices} | {c.key for c in o.choices}
+        return _training(o.config, chosen) == _training(cfg, chosen)
     if d.variant == "block":
-        def match(o: Config) -> bool:
-            return _hidden_block(o) and (o.drafter.depth, o.drafter.block_size) == (d.depth, d.block_size) \
-                and _training(o) == _training(cfg)
+        def match(o: Trial) -> bool:
+            return _hidden_block(o.config) and same_training(o) \
+                and (o.config.drafter.depth, o.config.drafter.block_size) == (d.depth, d.block_size)
     elif d.variant in CKPT_CHILDREN and d.init == "ckpt":
-        def match(o: Config) -> bool:
-            return is_continued(o) and eagle3_key(o) == eagle3_key(cfg)
+        def match(o: Trial) -> bool:
+            return is_continued(o.config) and eagle3_key(o.config) == eagle3_key(cfg)
     else:
-        def match(o: Config) -> bool:
-            return _plain_eagle3(o) and _training(o) == _training(cfg)
-    return next((o.name for o in trials if o is not t and match(o.config)), None)
+        def match(o: Trial) -> bool:
+            return _plain_eagle3(o.config) and same_training(o)
+    return next((o.name for o in trials if o is not t and match(o)), None)
 
 
 def role_of(t: Trial, trials: list[Trial]) -> Role:

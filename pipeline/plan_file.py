@@ -52,6 +52,7 @@ class PlannedTrial(BaseModel):
     evaluated_on: str               # "eval split", or the validation set a study chooses a setting on
     config: dict[str, Any]
     fingerprint: str = ""           # in a workspace's plan (`write_study_plan`); not known before the data stages
+    chosen: dict[str, str] = {}     # KEY -> how its value was chosen by a validation study (`pipeline.choices`)
 
 
 class PlanFile(BaseModel):
@@ -69,7 +70,7 @@ def planned(t: Trial, cfg: Config, parts: dict[str, list[Trial]]) -> PlannedTria
         role=t.role, parts=[name for name, members in parts.items() if any(m.name == t.name for m in members)],
         e2e=t.study in cfg.studies and decodes_any(cfg, t.study, [t]),
         evaluated_on=t.config.eval.data or "eval split", config=t.config.model_dump(mode="json"),
-        fingerprint=t.fingerprint)
+        fingerprint=t.fingerprint, chosen={c.key: c.text() for c in t.choices})
 
 
 def plan_file(cfg: Config) -> PlanFile:

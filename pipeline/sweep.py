@@ -27,6 +27,7 @@ from typing import Any
 
 from rich.console import Console
 
+from pipeline.choices import RowsOf
 from pipeline.config import Config, ConfigError
 from pipeline.console import show_summary
 from pipeline.executor import ray_session, run_trials, trial_slots
@@ -35,7 +36,8 @@ from pipeline.plan import varying_keys, waves
 from pipeline.plan_file import write_study_plan
 from pipeline.result import SweepResult
 from pipeline.standalone import fingerprint_trials
-from pipeline.trial import Trial, TrialFn, adopt_finished, cached_result, failed_row, json_safe, run_trial
+from pipeline.trial import (Trial, TrialFn, adopt_finished, cached_result, failed_row, finished_elsewhere, json_safe,
+                           run_trial)
 from stages.common import Paths, write_json_atomic
 
 
@@ -101,6 +103,36 @@ def write_validation_sets(trials: list[Trial], paths: Paths) -> None:
     wanted = {validation.parse(t.config.eval.data): t.config.data for t in trials}
     for (scale, size), data in sorted((k, v) for k, v in wanted.items() if k is not None):
         validation.write(paths, data, scale, size)
+
+
+def finished_rows_in(paths: Paths) -> RowsOf:
+    """What the planner reads a validation study's outcome from (`plan(..., rows_of=)`): the finished rows of its
+    trials in this workspace, by fingerprint (a row of other code or data is not its trial's); reads only."""
+    def rows_of(trials: list[Trial]) -> dict[str, dict]:
+        fingerprint_trials(trials, paths)          # a validation set not written yet: no trial of it finished
+        found = {t.name: cached_result(t, paths) or (finished_elsewhere(t, paths) or (None, None))[1] for t in trials}
+        return {name: row for name, row in found.items() if row is not None}
+    return rows_of
+
+
+def check_chosen(trials: list[Trial], cfg: Config) -> None:
+    """A one-line error while a trial's value waits for its validation study (`choose`), naming the parts of that
+    study to run first."""
+    from pipeline.parts import check_parts
+    from pipeline.plan import plan
+
+    waiting = [(t, c) for t in trials for c in t.choices if c.value is None]
+    if not waiting:
+        return
+    by = waiting[0][1].by
+    missing = {name for _, c in waiting if c.by == by for name in c.waiting}
+    parts = check_parts(plan(cfg, study=by), cfg, by)
+    first = [f"{by}/{p}" for p, members in parts.items() if any(m.name in missing for m in members)]
+    todo = (f"its parts {', '.join(first)}" if first else f"`kvshot sweep --study {by}`")
+    names = sorted({t.name for t, c in waiting if c.by == by})
+    raise ConfigError(f"study {trials[0].study}: {waiting[0][1].key} of {', '.join(names[:3])}"
+                      f"{', ...' if len(names) > 3 else ''} is chosen by {by}, which has not finished "
+                      f"{len(missing)} of the trials it needs here; run {todo} first")
 
 
 def _finished_rows(trials: list[Trial], paths: Paths) -> dict[str, dict]:

@@ -41,6 +41,7 @@ class Trial:
     fingerprint: str = ""                     # set by the runner before the trial starts
     data_hashes: dict[str, str] = field(default_factory=dict)
     commit: str = ""                          # the code it is trained with (set by the runner; kept in its row)
+    choices: list = field(default_factory=list)   # values taken from a validation study (pipeline.choices.Choice)
 
     @property
     def variant(self) -> str:

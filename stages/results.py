@@ -271,10 +271,12 @@ class Resampler:
         s.draws = resample(counts, self.weights(ids), seed_w, rng)
 
 
-def settings_of(study: str, rows: list[dict], resampler: Resampler) -> list[Setting]:
+def settings_of(study: str, rows: list[dict], resampler: Resampler | None = None) -> list[Setting]:
+    """The rows grouped into settings; with `resampler`, each with its bootstrap draws (point values alone
+    without)."""
     frame = stepwise_frame(study, rows)
     out = [build_setting(study, g) for _, g in frame.groupby("setting", sort=False)]
-    for s in out:
+    for s in out if resampler is not None else []:
         resampler.setting(s)
     return out
 

@@ -51,3 +51,24 @@ def pytest_collection_modifyitems(config, items):
         for item in items:
             if "gpu" in item.keywords:
                 item.add_marker(skip)
+
+
+@pytest.fixture(scope="module")
+def ray_local(request):
+    """One local Ray (2 CPUs) shared by a module's sweeps; its GCS address lets a subprocess join it. Trial
+    functions defined in the test module are shipped to Ray workers by value (it is not importable there)."""
+    import sys
+
+    import ray
+    import ray.cloudpickle as cp
+
+    os.environ["RAY_AUTH_MODE"] = "disabled"
+    os.environ["RAY_USAGE_STATS_ENABLED"] = "0"
+    temp = ROOT / "scratch" / "ray"
+    temp.mkdir(parents=True, exist_ok=True)
+    if ray.is_initialized():
+        ray.shutdown()
+    ray.init(num_cpus=2, _temp_dir=str(temp), include_dashboard=False, logging_level="WARNING")
+    cp.register_pickle_by_value(sys.modules[request.module.__name__])
+    yield ray.get_runtime_context().gcs_address
+    ray.shutdown()

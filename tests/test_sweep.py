@@ -361,29 +361,6 @@ def test_train_one_passes_context_and_parent_checkpoint(tmp_path, monkeypatch):
 
 # -- real Ray sweeps ---------------------------------------------------------------------------------------------
 
-def _register_by_value():
-    """Trial functions defined here are shipped to Ray workers by value (this test module is not importable there)."""
-    import ray.cloudpickle as cp
-    cp.register_pickle_by_value(sys.modules[__name__])
-
-
-@pytest.fixture(scope="module")
-def ray_local():
-    """One local Ray (2 CPUs) shared by this module's sweeps; its GCS address lets a subprocess join it."""
-    import ray
-
-    os.environ["RAY_AUTH_MODE"] = "disabled"
-    os.environ["RAY_USAGE_STATS_ENABLED"] = "0"
-    temp = ROOT / "scratch" / "ray"
-    temp.mkdir(parents=True, exist_ok=True)
-    if ray.is_initialized():
-        ray.shutdown()
-    ray.init(num_cpus=2, _temp_dir=str(temp), include_dashboard=False, logging_level="WARNING")
-    _register_by_value()
-    yield ray.get_runtime_context().gcs_address
-    ray.shutdown()
-
-
 @pytest.fixture
 def project(tmp_path, monkeypatch):
     monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)

@@ -1,0 +1,124 @@
+"""Settings a study takes from a validation study, trial by trial (`studies.STUDY.choose: {KEY: VALIDATION}`).
+
+B's fairness (DESIGN §7) trains each block arm at its best learning rate from one small grid, chosen on training
+conversations the verdicts are not measured on. The validation study (`validation: N`) trains every arm at every
+value of KEY; a trial of the choosing study that the validation study trains too (the same resolved config but
+KEY, the seed and the evaluation set) takes the value whose trials reach the highest validation step MAT, pooled
+over their seeds as the report's validation section ranks them. A trial it does not train keeps the profile's value.
+
+A choice is *pending* while some value of its arm has no finished trial in the workspace: the trial keeps the
+profile's value, `kvshot plan` and the dry run say so, and the sweep stops with a one-line error naming the
+validation study's parts to run first (`pipeline.sweep.check_chosen`). The planner applies the choices
+(`pipeline.plan.plan(..., rows_of=...)`), so a chosen value is part of the trial's resolved config and fingerprint:
+a validation study rerun with another outcome retrains the trials whose value it changes. Trial names stay the
+same (the chosen value is not one of the values that name a trial).
+"""
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import dataclass
+from typing import Any, Callable
+
+from pipeline.config import Config, ConfigError, resolve_key
+from pipeline.trial import Trial
+
+# Besides the chosen key, what may differ between a trial and the validation trials of its arm.
+ARM_FREE = ("train.seed", "eval.data")
+METRIC = "step_mat"          # as stages.report_validation ranks a validation study's values
+TRIAL_SECTIONS = ("target", "data", "regenerate", "features", "drafter", "train", "eval")
+
+RowsOf = Callable[[list[Trial]], dict[str, dict]]   # finished rows of these trials by name (a workspace's)
+
+
+@dataclass(frozen=True)
+class Choice:
+    key: str                          # the config key chosen, e.g. train.lr
+    by: str                           # the validation study that chose it
+    value: Any | None                 # None: pending (the profile's value stays)
+    scores: dict[str, float]          # each value's validation step MAT (by str(value)), once known
+    waiting: tuple[str, ...] = ()     # the validation trials of the arm without a finished row
+
+    def text(self) -> str:
+        """One line for the console and the plan: the value and what it was chosen over, or what it waits for."""
+        if self.value is None:
+            return (f"{self.key} pending: {self.by} has not finished {', '.join(self.waiting[:3])}"
+                    + (", ..." if len(self.waiting) > 3 else ""))
+        others = ", ".join(f"{s:.3f} at {v}" for v, s in self.scores.items() if v != str(self.value))
+        return (f"{self.key} {self.value} chosen by {self.by} (validation step MAT "
+                f"{self.scores[str(self.value)]:.3f}" + (f"; {others}" if others else "") + ")")
+
+
+def chosen_keys(cfg: Config, study: str | None) -> dict[str, str]:
+    """The study's `choose` (resolved KEY -> validation study), checked against the profile: one-line errors."""
+    spec = cfg.studies.get(study) if study else None
+    if spec is None or not spec.choose:
+        return {}
+    order = list(cfg.studies)
+    out: dict[str, str] = {}
+    for raw, by in spec.choose.items():
+        key = resolve_key(raw)
+        where = f"studies.{study}.choose.{raw}"
+        other = cfg.studies.get(by)
+        if other is None:
+            raise ConfigError(f"{where}: {by!r} is not a study of this profile ({', '.join(order)})")
+        if not other.validation:
+            raise ConfigError(f"{where}: study {by} has no `validation`: a value is chosen on a validation set, "
+                              "never on the eval split")
+        if other.choose:
+            raise ConfigError(f"{where}: study {by} chooses values itself; a validation study sweeps them")
+        if order.index(by) > order.index(study):
+            raise ConfigError(f"{where}: study {by} comes after {study} in `studies`; list it first (DVC runs the "
+                              "studies in that order)")
+        if key not in _set_keys(other.grid, other.include):
+            raise ConfigError(f"{where}: study {by} does not sweep {key} (its grid or include)")
+        if key in _set_keys(spec.grid, spec.include):
+            raise ConfigError(f"{where}: study {study} sets {key} itself; give it either way, not both")
+        out[key] = by
+    return out
+
+
+def _set_keys(grid: dict[str, list[Any]], include: list[dict[str, Any]]) -> set[str]:
+    return {resolve_key(k) for k in grid} | {resolve_key(k) for entry in include for k in entry}
+
+
+def value_of(cfg: Config, key: str) -> Any:
+    section, name = key.split(".", 1)
+    return getattr(getattr(cfg, section), name)
+
+
+def _arm(cfg: Config, key: str) -> str:
+    """A trial's config with what may differ within an arm left out."""
+    tree = cfg.model_dump(mode="json")
+    part = {s: dict(tree[s]) for s in TRIAL_SECTIONS}
+    for free in (key, *ARM_FREE):
+        section, name = free.split(".", 1)
+        part[section].pop(name, None)
+    return json.dumps(part, sort_keys=True, default=str)
+
+
+def choose(cfg: Config, key: str, by: str, candidates: list[Trial], rows: dict[str, dict]) -> Choice | None:
+    """The value of `key` for a trial of config `cfg` from the validation trials `candidates` (the plan of study
+    `by`) and their finished `rows`; None when `by` trains no trial of this arm."""
+    arm = _arm(cfg, key)
+    mine = [t for t in candidates if _arm(t.config, key) == arm]
+    if not mine:
+        return None
+    waiting = tuple(t.name for t in mine if t.name not in rows)
+    if waiting:
+        return Choice(key, by, None, {}, waiting)
+    from stages.results import settings_of      # pandas: only once a validation study has rows
+
+    groups: dict[str, list[Trial]] = {}
+    for t in mine:
+        groups.setdefault(json.dumps(value_of(t.config, key)), []).append(t)
+    scores: dict[str, float] = {}
+    for value, members in groups.items():
+        settings = settings_of(by, [rows[t.name] for t in members])
+        score = settings[0].value(METRIC) if len(settings) == 1 else math.nan
+        scores[str(json.loads(value))] = score if math.isfinite(score) else -math.inf
+    best = max(groups, key=lambda v: scores[str(json.loads(v))])     # the first in plan order on a tie
+    return Choice(key, by, json.loads(best), scores)
+
+
+__all__ = ["Choice", "RowsOf", "choose", "chosen_keys", "value_of"]

@@ -1,0 +1,142 @@
+"""Values a study takes from a validation study (`studies.S.choose`, pipeline/choices.py): each block arm trains at
+the learning rate its validation study found best, chosen by the planner from finished rows, never by hand; while
+rows are missing the choice is pending and the sweep refuses to run, naming the parts to run first."""
+import json
+import sys
+from pathlib import Path
+
+import pytest
+
+from pipeline.config import ConfigError, StudyParams, load_config
+from pipeline.plan import plan
+from pipeline.plan_file import planned
+from pipeline.sweep import check_chosen, finished_rows_in, run_sweep
+
+sys.path.insert(0, str(Path(__file__).parent / "fixtures" / "report"))
+import make_fixtures as fx  # noqa: E402
+
+LRS = [0.0003, 0.001, 0.003]
+# validation acc_0 per (arm, lr): the hidden arm is best at 0.003, the KV arm at 0.001
+ACC0 = {("hidden", 0.0003): 0.30, ("hidden", 0.001): 0.36, ("hidden", 0.003): 0.45,
+        ("kv", 0.0003): 0.40, ("kv", 0.001): 0.50, ("kv", 0.003): 0.42}
+
+
+def _cfg(**chooser):
+    cfg = load_config("smoke")
+    val = StudyParams(grid={"drafter.variant": ["block"], "drafter.context": ["hidden", "kv"], "train.lr": LRS},
+                      validation=3, parts={"h": {"drafter.context": ["hidden"]}, "k": {"drafter.context": ["kv"]}})
+    blk = StudyParams(grid={"drafter.variant": ["block"], "drafter.context": ["hidden", "kv"]}, seeds=[0, 1],
+                      include=[{"drafter.variant": "eagle3"}], choose={"train.lr": "val"}, **chooser)
+    return cfg.model_copy(update={"studies": {"val": val, "blk": blk}})
+
+
+def _row(t) -> dict:
+    ctx, lr = t.config.drafter.context, t.config.train.lr
+    r = fx.row("val", t.name, dict(variant="block", depth=t.config.drafter.depth, context=ctx, block_size=8),
+               ACC0[(ctx, lr)], ACC0[(ctx, lr)] * 0.5, 0, 1)
+    return {**r, "values": t.values, "lr": lr, "eval_data": t.config.eval.data}
+
+
+def _trained(trial, paths, report) -> dict:
+    """A validation trial as a worker reports it: its step accuracies, from ACC0 (no per-conversation counts)."""
+    a0 = ACC0[(trial.config.drafter.context, trial.config.train.lr)]
+    acc = [a0 * 0.8 ** k for k in range(7)]
+    return {"acc": acc, "alpha": acc, "mat": 2.0, "retention": 0.5}
+
+
+def _rows_of(skip=()):
+    return lambda trials: {t.name: _row(t) for t in trials if t.name not in skip}
+
+
+def test_each_arm_trains_at_its_validation_best_and_keeps_its_name_and_baseline():
+    cfg = _cfg()
+    before = plan(cfg, study="blk")
+    after = plan(cfg, study="blk", rows_of=_rows_of())
+    assert [t.name for t in after] == [t.name for t in before]
+    lr = {t.name: t.config.train.lr for t in after}
+    assert lr == {"block-hidden-s0": 0.003, "block-kv-s0": 0.001, "block-hidden-s1": 0.003, "block-kv-s1": 0.001,
+                  "eagle3-s0": cfg.train.lr, "eagle3-s1": cfg.train.lr}
+    kv = next(t for t in after if t.name == "block-kv-s1")
+    assert kv.baseline == "block-hidden-s1"          # its own seed's hidden arm, each at its own learning rate
+    (c,) = kv.choices
+    assert (c.key, c.by, c.value) == ("train.lr", "val", 0.001) and set(c.scores) == {str(v) for v in LRS}
+    assert not next(t for t in after if t.name == "eagle3-s1").choices     # the validation study trains no eagle3
+    # the plan says how each value was chosen; the fingerprinted config holds the value
+    entry = planned(kv, cfg, {})
+    assert entry.config["train"]["lr"] == 0.001 and entry.chosen["train.lr"].startswith("train.lr 0.001 chosen by val")
+
+
+def test_the_choice_is_the_reports_best():
+    from stages.report_validation import arms, ranked
+    from stages.results import settings_of
+
+    cfg = _cfg()
+    val = plan(cfg, study="val")
+    best = {s.fields["context"]: s.extra["train.lr"]
+            for group in arms(settings_of("val", [_row(t) for t in val])).values() for s in ranked(group)[:1]}
+    chosen = {t.config.drafter.context: t.config.train.lr for t in plan(cfg, study="blk", rows_of=_rows_of())
+              if t.choices}
+    assert chosen == best == {"hidden": 0.003, "kv": 0.001}
+
+
+def test_a_missing_validation_row_leaves_its_arm_pending_and_the_sweep_names_the_part_to_run():
+    cfg = _cfg()
+    trials = plan(cfg, study="blk", rows_of=_rows_of(skip={"block-kv-lr0.003"}))
+    kv = [t for t in trials if t.config.drafter.context == "kv"]
+    assert all(t.config.train.lr == cfg.train.lr and t.choices[0].value is None for t in kv)
+    hidden = [t for t in trials if t.variant == "block" and t.config.drafter.context == "hidden"]
+    assert len(hidden) == 2 and all(t.config.train.lr == 0.003 for t in hidden)
+    with pytest.raises(ConfigError, match=r"chosen by val, which has not finished 1 of .*run its parts val/k first"):
+        check_chosen(trials, cfg)
+    check_chosen(hidden, cfg)                        # a part of the chosen arms alone runs
+    assert "pending: val has not finished block-kv-lr0.003" in planned(kv[0], cfg, {}).chosen["train.lr"]
+
+
+def test_a_value_given_on_top_wins_over_the_choice():
+    trials = plan(_cfg(), {"train.lr": [0.01]}, study="blk", rows_of=_rows_of())
+    assert all(t.config.train.lr == 0.01 and not t.choices for t in trials)
+
+
+@pytest.mark.parametrize("change, message", [
+    (lambda s: {**s, "blk": s["blk"].model_copy(update={"choose": {"train.lr": "nope"}})}, "'nope' is not a study"),
+    (lambda s: {**s, "val": s["val"].model_copy(update={"validation": None})}, "study val has no `validation`"),
+    (lambda s: {"blk": s["blk"], "val": s["val"]}, "study val comes after blk"),
+    (lambda s: {**s, "blk": s["blk"].model_copy(update={"choose": {"train.epochs": "val"}})},
+     "study val does not sweep train.epochs"),
+    (lambda s: {**s, "blk": s["blk"].model_copy(update={"include": [{"train.lr": 0.01}]})},
+     "study blk sets train.lr itself"),
+])
+def test_a_choice_the_profile_cannot_make_is_a_one_line_error(change, message):
+    cfg = _cfg()
+    cfg = cfg.model_copy(update={"studies": change(dict(cfg.studies))})
+    with pytest.raises(ConfigError, match=message) as err:
+        plan(cfg, study="blk")
+    assert "studies.blk.choose" in str(err.value) and "\n" not in str(err.value)
+
+
+def test_the_sweep_reads_the_choice_from_the_validation_runs_of_this_workspace(ray_local, tmp_path, monkeypatch):
+    """Real run directories, fingerprints and Ray: a choice needs the validation trials finished on this data."""
+    from stages.common import Paths
+
+    monkeypatch.delenv("RAY_ADDRESS", raising=False)
+    cfg = _cfg()
+    paths = Paths(tmp_path)
+    src = next(iter(cfg.data.sources))
+    paths.regenerated(src).parent.mkdir(parents=True)
+    paths.regenerated(src).write_text("".join(
+        json.dumps({"id": f"c{i}", "source": src, "split": "train", "scale_rank": i,
+                    "messages": [{"role": "user", "content": f"prompt {i}"},
+                                 {"role": "assistant", "content": f"answer {i}"}]}) + "\n"
+        for i in range(max(cfg.data.scales.values()) + 5)))
+    rows_of = finished_rows_in(paths)
+    assert all(t.choices[0].value is None for t in plan(cfg, study="blk", rows_of=rows_of) if t.choices)
+    result = run_sweep(plan(cfg, study="val"), paths, trial_fn=_trained, track=False)
+    assert not result.failed
+    trials = plan(cfg, study="blk", rows_of=rows_of)
+    check_chosen(trials, cfg)
+    assert {t.name: t.config.train.lr for t in trials if t.choices} == \
+        {"block-hidden-s0": 0.003, "block-kv-s0": 0.001, "block-hidden-s1": 0.003, "block-kv-s1": 0.001}
+    # a validation set with other conversations: the finished trials are not its trials any more
+    written = tmp_path / plan(cfg, study="val")[0].config.eval.data
+    written.write_text(written.read_text() + "\n")
+    assert all(t.choices[0].value is None for t in plan(cfg, study="blk", rows_of=rows_of) if t.choices)
