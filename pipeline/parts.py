@@ -14,9 +14,15 @@ from pipeline.trial import CKPT_CHILDREN, Trial, is_continued
 from stages.common import filter_text
 
 
+def config_matches(config: Config | dict, only: dict[str, list[Any]]) -> bool:
+    """Whether a resolved config (or its dump, as a plan file holds it) takes one of the allowed values of every
+    key of `only` (KEY -> values)."""
+    return all(lookup(config, k) in vals for k, vals in resolve_axes(only).items())
+
+
 def trial_matches(t: Trial, only: dict[str, list[Any]]) -> bool:
     """Whether a trial's config takes one of the allowed values of every key of `only` (KEY -> values)."""
-    return all(lookup(t.config, k) in vals for k, vals in resolve_axes(only).items())
+    return config_matches(t.config, only)
 
 
 def plan_part(trials: list[Trial], only: dict[str, list[Any]]) -> list[Trial]:

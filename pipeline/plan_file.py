@@ -30,8 +30,8 @@ from typing import Any
 
 from pydantic import BaseModel, ValidationError
 
-from pipeline.config import Config, ConfigError, resolve_key
-from pipeline.parts import check_parts, decodes_any
+from pipeline.config import Config, ConfigError
+from pipeline.parts import check_parts, config_matches, decodes_any
 from pipeline.plan import Role, plan
 from pipeline.trial import Trial
 from stages.common import Paths, write_text_atomic
@@ -127,13 +127,6 @@ def decoded_runs(cfg: Config, paths: Paths, only_study: str | None = None,
     e2e.checkpoints. `only_study`: that study's drafters alone (all of them when it is not marked e2e); `only`:
     those of them with these settings (resolved KEY -> values). A profile whose `e2e` filter marks other trials
     than the written plan does (edited since the sweep ran) is a one-line error saying to run the sweep again."""
-    def matches(config: dict, wanted: dict) -> bool:
-        for key, values in wanted.items():
-            section, _, name = resolve_key(key).partition(".")
-            if config.get(section, {}).get(name) not in (values if isinstance(values, list) else [values]):
-                return False
-        return True
-
     profile_plan = None
     dirs, seen = [], set()
     for name, study in cfg.studies.items():
@@ -143,7 +136,8 @@ def decoded_runs(cfg: Config, paths: Paths, only_study: str | None = None,
         if entries is None:
             profile_plan = profile_plan or plan_file(cfg)
             entries = profile_plan.of_study(name)
-        stale = [e.name for e in entries if study.e2e and e.e2e != (study.e2e is True or matches(e.config, study.e2e))]
+        stale = [e.name for e in entries
+                 if study.e2e and e.e2e != (study.e2e is True or config_matches(e.config, study.e2e))]
         if stale:
             listed = ", ".join(stale[:3]) + (", ..." if len(stale) > 3 else "")
             raise ConfigError(f"studies.{name}.e2e: marks other trials than the plan its sweep ran "
@@ -153,7 +147,7 @@ def decoded_runs(cfg: Config, paths: Paths, only_study: str | None = None,
             run = paths.root / "runs" / name / e.name
             if not (run / "model.safetensors").is_file() or (study.e2e and not e.e2e):
                 continue
-            if only and not matches(e.config, only):
+            if only and not config_matches(e.config, only):
                 continue
             fp = (run / "fingerprint").read_text().strip() if (run / "fingerprint").is_file() else str(run)
             if e.fingerprint and fp != e.fingerprint:
