@@ -132,7 +132,7 @@ def check_chosen(trials: list[Trial], cfg: Config) -> None:
     names = sorted({t.name for t, c in waiting if c.by == by})
     raise ConfigError(f"study {trials[0].study}: {waiting[0][1].key} of {', '.join(names[:3])}"
                       f"{', ...' if len(names) > 3 else ''} is chosen by {by}, which has not finished "
-                      f"{len(missing)} of the trials it needs here; run {todo} first")
+                      f"{len(missing)} of the trials it needs in this workspace; run {todo} here first")
 
 
 def _finished_rows(trials: list[Trial], paths: Paths) -> dict[str, dict]:

@@ -86,7 +86,7 @@ def test_a_missing_validation_row_leaves_its_arm_pending_and_the_sweep_names_the
     assert all(t.config.train.lr == cfg.train.lr and t.choices[0].value is None for t in kv)
     hidden = [t for t in trials if t.variant == "block" and t.config.drafter.context == "hidden"]
     assert len(hidden) == 2 and all(t.config.train.lr == 0.003 for t in hidden)
-    with pytest.raises(ConfigError, match=r"chosen by val, which has not finished 1 of .*run its parts val/k first"):
+    with pytest.raises(ConfigError, match=r"chosen by val, which has not finished 1 of .*run its parts val/k here"):
         check_chosen(trials, cfg)
     check_chosen(hidden, cfg)                        # a part of the chosen arms alone runs
     assert "pending: val has not finished block-kv-lr0.003" in planned(kv[0], cfg, {}).chosen["train.lr"]
