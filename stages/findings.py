@@ -408,6 +408,9 @@ def claim_b(studies: dict, e2e: list[E2EGroup] | None, level: float) -> Verdict:
     best_hidden = max(hidden, key=lambda s: s.value("step_mat"))
     step = contrast(best_kv, best_hidden, "step_mat", level)
     evidence = step.text
+    if best_kv.lrs and best_hidden.lrs:       # each arm at the learning rate its validation chose (`choose`)
+        kv_lr, hidden_lr = ("/".join(f"{v:g}" for v in s.lrs) for s in (best_kv, best_hidden))
+        evidence += f" (trained at lr {kv_lr} vs {hidden_lr})" if kv_lr != hidden_lr else f" (both at lr {kv_lr})"
     verdicts = [step.verdict]
     groups = {tuple(g.trials): g for g in e2e or []}
     gk = next((g for g in groups.values() if set(g.trials) & set(best_kv.trials)), None)

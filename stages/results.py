@@ -116,6 +116,7 @@ class Setting:
     # what its trials are in the experiment (the planner's, `pipeline.plan.role_of`: "trial", "parent",
     # "compute-matched control", "no-target control", "control with context"); empty for rows from before
     roles: frozenset[str] = frozenset()
+    lrs: tuple[float, ...] = ()                   # the learning rates its rows were trained at (rows that record one)
 
     def is_role(self, role: str, by_fields: bool) -> bool:
         """Whether its trials have `role`: as their rows name it, else (rows from before) as `by_fields` says."""
@@ -232,8 +233,10 @@ def build_setting(study: str, group: pd.DataFrame) -> Setting:
     codes = sorted({str(c) for c in ok["code"] if c})
     named = frozenset(str(r["baseline"]) for r in group["row"] if isinstance(r, dict) and r.get("baseline"))
     roles = frozenset(str(r["role"]) for r in group["row"] if isinstance(r, dict) and r.get("role"))
+    lrs = tuple(sorted({float(r["lr"]) for r in rows if isinstance(r.get("lr"), (int, float))}))
     return Setting(study, fields, json.loads(first["extra"]), trials, len(rows), failed, point,
-                   counts, None, commits, [by_trial[t] for t in trials], codes=codes, baselines=named, roles=roles)
+                   counts, None, commits, [by_trial[t] for t in trials], codes=codes, baselines=named, roles=roles,
+                   lrs=lrs)
 
 
 class Resampler:

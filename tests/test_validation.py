@@ -193,3 +193,13 @@ def test_validation_rows_stay_out_of_the_findings(tmp_path):
     b = next(line for line in text.splitlines() if line.startswith("| B"))
     assert "0.900" not in b                       # the validation study's control is not the findings' control
     assert any(v.claim == "B" for v in findings({"block": res.studies["block"]}, None, ["small"]))
+
+
+def test_b_says_the_learning_rate_each_arm_trained_at(tmp_path):
+    rows = _lr_rows(0.001)
+    for r in rows["block"]:
+        r["lr"] = 0.003 if r["context"] == "hidden" else 0.001       # each arm at its validation's best
+    fx.write(tmp_path / "metrics", rows, None)
+    res = collect({"studies": list(rows)}, Paths(tmp_path), draws=200)
+    b = next(v for v in findings({"block": res.studies["block"]}, None, ["small"]) if v.claim == "B")
+    assert "(trained at lr 0.001 vs 0.003)" in b.evidence
