@@ -165,16 +165,22 @@ def test_sweeps_track_in_mlflow_and_skip_finished_trials(smoke):
 @pytest.mark.slow
 def test_a_validation_study_trains_evaluates_beyond_its_scale_and_reports_apart(smoke):
     """A study with `validation` on the real stages: its trials train at the small scale, are evaluated on the
-    training conversations beyond it (written by the sweep), and the report shows them in a section of their own."""
+    training conversations beyond it (written by the sweep), and the report shows them in a section of their own.
+    A study that takes the learning rate from it (`choose`) is refused before it ran here, then trains at the
+    value with the best validation step MAT, which its row, plan entry and fingerprint carry."""
     ws, env, _ = smoke
     params_file = ws / "params.yaml"
     original = params_file.read_text()
     params = yaml.safe_load(original)
     small = min(params["data"]["scales"], key=params["data"]["scales"].get)
-    params["studies"]["lrv"] = {"grid": {"drafter.variant": ["kv_only"], "train.lr": [0.001, 0.003],
-                                         "train.scale": [small]}, "validation": 3}
+    arm = {"drafter.variant": ["kv_only"], "train.scale": [small]}
+    params["studies"]["lrv"] = {"grid": {**arm, "train.lr": [0.001, 0.003]}, "validation": 3}
+    params["studies"]["pick"] = {"grid": arm, "choose": {"train.lr": "lrv"}}
     try:
         params_file.write_text(yaml.safe_dump(params, sort_keys=False))
+        refused = kvshot("sweep", "--study", "pick", "--root", str(ws), env=env, cwd=ws)
+        assert refused.returncode != 0 and "is chosen by lrv, which has not finished 2 of the trials" in \
+            refused.stderr and "run `kvshot sweep --study lrv` here first" in refused.stderr
         out = kvshot("sweep", "--study", "lrv", "--root", str(ws), env=env, cwd=ws)
         assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
         rows = json.loads((ws / "metrics" / "stepwise" / "lrv.json").read_text())
@@ -188,14 +194,23 @@ def test_a_validation_study_trains_evaluates_beyond_its_scale_and_reports_apart(
         shutil.rmtree(report_root, ignore_errors=True)
         (report_root / "metrics" / "stepwise").mkdir(parents=True)
         shutil.copy(ws / "metrics" / "stepwise" / "lrv.json", report_root / "metrics" / "stepwise")
-        from stages.common import Paths
         from stages.report import ReportParams, run
         run(ReportParams(bootstrap_draws=200), {"studies": ["lrv"]}, Paths(report_root), lambda m, step=None: None)
         text = (report_root / "reports" / "README.md").read_text()
         assert "## Validation: lrv" in text and where in text and "**best**" in text
+        picked = kvshot("sweep", "--study", "pick", "--root", str(ws), env=env, cwd=ws)
+        assert picked.returncode == 0 and "chosen by lrv" in picked.stderr, picked.stderr[-3000:]
+        val = {r["lr"]: r["step_mat"] for r in rows}
+        (row,) = json.loads((ws / "metrics" / "stepwise" / "pick.json").read_text())
+        assert row["status"] == "ok" and row["lr"] == max(val, key=val.get) and "eval_data" not in row
+        (entry,) = read_study_plan(Paths(ws), "pick")
+        assert entry.config["train"]["lr"] == row["lr"] and entry.fingerprint == row["fingerprint"]
+        assert entry.chosen["train.lr"].startswith(f"train.lr {row['lr']} chosen by lrv")
     finally:
         params_file.write_text(original)
-        (ws / "metrics" / "stepwise" / "lrv.json").unlink(missing_ok=True)
+        for study in ("lrv", "pick"):
+            (ws / "metrics" / "stepwise" / f"{study}.json").unlink(missing_ok=True)
+        shutil.rmtree(ws / "runs" / "pick", ignore_errors=True)
 
 
 @pytest.mark.slow
