@@ -16,7 +16,9 @@ each, and within a wave the trial with the most estimated training ahead of it (
 so a wave ends on short trials rather than one long trial running alone (`pipeline.cost.schedule_order`). Trials
 report metrics to the driver through Tune results and only the driver writes MLflow (`pipeline.forward`). A failing
 trial fails alone: it is marked failed in MLflow and in metrics/stepwise/<study>.json, the others finish, and the
-result's exit code is 1.
+result's exit code is 1. A study that takes a value from a validation study (`choose`, pipeline.choices) is planned
+with the finished rows of this workspace (`finished_rows_in`) and does not start while a choice waits for them
+(`check_chosen`).
 """
 from __future__ import annotations
 
@@ -32,7 +34,8 @@ from pipeline.config import Config, ConfigError
 from pipeline.console import show_summary
 from pipeline.executor import ray_session, run_trials, trial_slots
 from pipeline.forward import Forward
-from pipeline.plan import varying_keys, waves
+from pipeline.parts import check_parts
+from pipeline.plan import plan, varying_keys, waves
 from pipeline.plan_file import write_study_plan
 from pipeline.result import SweepResult
 from pipeline.standalone import fingerprint_trials
@@ -118,9 +121,6 @@ def finished_rows_in(paths: Paths) -> RowsOf:
 def check_chosen(trials: list[Trial], cfg: Config) -> None:
     """A one-line error while a trial's value waits for its validation study (`choose`), naming the parts of that
     study to run first."""
-    from pipeline.parts import check_parts
-    from pipeline.plan import plan
-
     waiting = [(t, c) for t in trials for c in t.choices if c.value is None]
     if not waiting:
         return
