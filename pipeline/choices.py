@@ -44,9 +44,11 @@ class Choice:
         if self.value is None:
             return (f"{self.key} pending: {self.by} has not finished {', '.join(self.waiting[:3])}"
                     + (", ..." if len(self.waiting) > 3 else ""))
+        best = self.scores[str(self.value)]
         others = ", ".join(f"{s:.3f} at {v}" for v, s in self.scores.items() if v != str(self.value))
-        return (f"{self.key} {self.value} chosen by {self.by} (validation step MAT "
-                f"{self.scores[str(self.value)]:.3f}" + (f"; {others}" if others else "") + ")")
+        tie = any(s == best for v, s in self.scores.items() if v != str(self.value))
+        return (f"{self.key} {self.value} chosen by {self.by} (validation step MAT {best:.3f}"
+                + (f"; {others}" if others else "") + ("; a tie, broken by plan order" if tie else "") + ")")
 
 
 def chosen_keys(cfg: Config, study: str | None) -> dict[str, str]:

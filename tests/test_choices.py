@@ -92,6 +92,20 @@ def test_a_missing_validation_row_leaves_its_arm_pending_and_the_sweep_names_the
     assert "pending: val has not finished block-kv-lr0.003" in planned(kv[0], cfg, {}).chosen["train.lr"]
 
 
+def test_a_tie_is_broken_by_plan_order_and_said():
+    def tied(trials):
+        rows = _rows_of()(trials)
+        for t in trials:
+            if t.config.drafter.context == "kv":
+                rows[t.name] = {**rows[t.name], **{k: rows["block-kv-lr0.001"][k] for k in ("acc", "per_conversation",
+                                                                                        "counts", "step_mat")}}
+        return rows
+    kv = next(t for t in plan(_cfg(), study="blk", rows_of=tied) if t.name == "block-kv-s0")
+    assert kv.config.train.lr == LRS[0] and kv.choices[0].text().endswith("a tie, broken by plan order)")
+    hidden = next(t for t in plan(_cfg(), study="blk", rows_of=tied) if t.name == "block-hidden-s0")
+    assert "tie" not in hidden.choices[0].text()
+
+
 def test_a_value_given_on_top_wins_over_the_choice():
     trials = plan(_cfg(), {"train.lr": [0.01]}, study="blk", rows_of=_rows_of())
     assert all(t.config.train.lr == 0.01 and not t.choices for t in trials)
