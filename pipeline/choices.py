@@ -21,12 +21,12 @@ from dataclasses import dataclass
 from typing import Any, Callable
 
 from pipeline.config import Config, ConfigError, resolve_key
+from pipeline.fingerprint import TRIAL_SECTIONS
 from pipeline.trial import Trial
 
 # Besides the chosen key, what may differ between a trial and the validation trials of its arm.
 ARM_FREE = ("train.seed", "eval.data")
 METRIC = "step_mat"          # as stages.report_validation ranks a validation study's values
-TRIAL_SECTIONS = ("target", "data", "regenerate", "features", "drafter", "train", "eval")
 
 RowsOf = Callable[[list[Trial]], dict[str, dict]]   # finished rows of these trials by name (a workspace's)
 
