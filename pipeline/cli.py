@@ -471,7 +471,10 @@ def plan_cmd(profile: Optional[str] = ProfileOpt, root: Path = RootOpt,
             trials = planned.of_study(study)
             roles = ", ".join(f"{n} {role}" for role, n in Counter(t.role for t in trials).items())
             parts = sorted({p for t in trials for p in t.parts})
-            print(f"{study}: {len(trials)} trials ({roles})" + (f"; parts {', '.join(parts)}" if parts else ""))
+            chosen = Counter(k for t in trials for k in t.chosen)
+            print(f"{study}: {len(trials)} trials ({roles})" + (f"; parts {', '.join(parts)}" if parts else "")
+                  + "".join(f"; {k} of {n} chosen by a validation study (`kvshot sweep --dry-run` says which value)"
+                            for k, n in chosen.items()))
         if out is not None:
             write_text_atomic(out, planned.model_dump_json(indent=1) + "\n")
             print(f"wrote {out}")

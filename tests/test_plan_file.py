@@ -52,6 +52,9 @@ def test_roles_are_the_planners():
     assert {e.config["train"]["lr"] for e in lr} == {0.0003, 0.001, 0.003} and len(lr) == 9
     assert {e.evaluated_on for e in lr} == {"data/validation/small-200.jsonl"}
     assert {e.evaluated_on for e in planned.trials if e.study != "block_lr"} == {"eval split"}
+    # and the block study takes them from it (pending before any workspace holds block_lr's runs): its block arms
+    pending = {e.name for e in planned.of_study("block") if "pending: block_lr" in e.chosen.get("train.lr", "")}
+    assert pending == {e.name for e in planned.of_study("block") if e.variant == "block"} and len(pending) == 11
 
 
 def test_kvshot_plan_writes_the_json(tmp_path):
