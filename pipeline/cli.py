@@ -450,7 +450,8 @@ def repro(profile: Optional[str] = ProfileOpt,
             raise ConfigError(f"--stage {bad[0]!r}: not a stage of profile {profile or 'default'}; choices: "
                               f"{', '.join(sorted(known))}")
         check_hardware(cfg)
-        code = run_repro(cfg, profile or "default", force=force, stages=stage)
+        code = run_repro(cfg, profile or "default", force=force, stages=stage,
+                         echo=lambda line: console.print(line, highlight=False, soft_wrap=True))
         if code:
             _fail(f"dvc repro failed (exit {code}); finished stages are kept, run again to resume")
     _guarded(body)

@@ -85,16 +85,33 @@ def share_code(ws: Path) -> None:
         ignore.write_text("\n".join(lines + ["__pycache__/"]) + "\n")
 
 
-def repro(cfg: Config, profile: str, force: bool = False, stages: list[str] | None = None) -> int:
+def repro(cfg: Config, profile: str, force: bool = False, stages: list[str] | None = None,
+          echo=lambda line: None) -> int:
     """Run `dvc repro` for the profile (only `stages` and what they depend on, when given); returns DVC's exit
-    code."""
+    code. A study that takes values from a validation study (`choose`) and ran on other values than that study's
+    rows choose now is run again (`dvc repro --force --single-item study@S`, then `dvc repro` for what follows it):
+    DVC sees no dependency between two studies."""
     root = ROOT if profile == "default" else prepare_workspace(cfg, profile)
     (root / "scratch").mkdir(parents=True, exist_ok=True)
     cmd = ["dvc", "repro"] + (["--force"] if force else []) + list(stages or [])
     env = dvc_env(root)
     if shutil.which("dvc", path=env["PATH"]) is None:
         raise FileNotFoundError("dvc is not installed in this environment (run `make setup`)")
-    return subprocess.run(cmd, cwd=root, env=env).returncode
+    code = subprocess.run(cmd, cwd=root, env=env).returncode
+    if code or stages or not any(s.choose for s in cfg.studies.values()):
+        return code
+    from pipeline.sweep import stale_choices
+    from stages.common import Paths
+
+    stale = stale_choices(cfg, Paths(root))
+    for study, changes in stale.items():
+        echo(f"study {study} ran on other chosen values than its validation study's rows choose now "
+             f"({'; '.join(changes[:3])}{'; ...' if len(changes) > 3 else ''}): running it again")
+        code = subprocess.run(["dvc", "repro", "--force", "--single-item", f"study@{study}"], cwd=root,
+                              env=env).returncode
+        if code:
+            return code
+    return subprocess.run(["dvc", "repro"], cwd=root, env=env).returncode if stale else 0
 
 
 DATA_STAGES = "features"   # the last data stage: `dvc repro features` runs prepare, regenerate and features

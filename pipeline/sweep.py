@@ -29,14 +29,14 @@ from typing import Any
 
 from rich.console import Console
 
-from pipeline.choices import RowsOf
+from pipeline.choices import RowsOf, value_of
 from pipeline.config import Config, ConfigError
 from pipeline.console import show_summary
 from pipeline.executor import ray_session, run_trials, trial_slots
 from pipeline.forward import Forward
 from pipeline.parts import check_parts
-from pipeline.plan import plan, varying_keys, waves
-from pipeline.plan_file import write_study_plan
+from pipeline.plan import lookup, plan, varying_keys, waves
+from pipeline.plan_file import read_study_plan, write_study_plan
 from pipeline.result import SweepResult
 from pipeline.standalone import fingerprint_trials
 from pipeline.trial import (Trial, TrialFn, adopt_finished, cached_result, failed_row, finished_elsewhere, json_safe,
@@ -133,6 +133,23 @@ def check_chosen(trials: list[Trial], cfg: Config) -> None:
     raise ConfigError(f"study {trials[0].study}: {waiting[0][1].key} of {', '.join(names[:3])}"
                       f"{', ...' if len(names) > 3 else ''} is chosen by {by}, which has not finished "
                       f"{len(missing)} of the trials it needs in this workspace; run {todo} here first")
+
+
+def stale_choices(cfg: Config, paths: Paths, rows_of: RowsOf | None = None) -> dict[str, list[str]]:
+    """The studies whose executed plan (runs/<study>/plan.json) holds other chosen values than their validation
+    studies' finished rows choose now (say `block_lr` was rerun with another grid): DVC does not see that
+    dependency, so `kvshot repro` reruns them. {study: one line per trial that would change}."""
+    out: dict[str, list[str]] = {}
+    for study, spec in cfg.studies.items():
+        written = {e.name: e for e in read_study_plan(paths, study) or []} if spec.choose else {}
+        if not written:
+            continue
+        for t in plan(cfg, study=study, rows_of=rows_of or finished_rows_in(paths)):
+            for c in t.choices:
+                ran = written.get(t.name)
+                if c.value is not None and ran is not None and lookup(ran.config, c.key) != value_of(t.config, c.key):
+                    out.setdefault(study, []).append(f"{t.name}: {c.key} {lookup(ran.config, c.key)} -> {c.value}")
+    return out
 
 
 def _finished_rows(trials: list[Trial], paths: Paths) -> dict[str, dict]:

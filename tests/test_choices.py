@@ -154,3 +154,34 @@ def test_the_sweep_reads_the_choice_from_the_validation_runs_of_this_workspace(r
     written = tmp_path / plan(cfg, study="val")[0].config.eval.data
     written.write_text(written.read_text() + "\n")
     assert all(t.choices[0].value is None for t in plan(cfg, study="blk", rows_of=rows_of) if t.choices)
+
+
+def test_a_study_that_ran_on_an_older_choice_is_run_again_by_repro(tmp_path, monkeypatch):
+    """DVC sees no dependency between a validation study and the study choosing from it: `kvshot repro` compares
+    the plan the choosing study ran (runs/<study>/plan.json) with what the validation rows choose now and forces
+    that study's stage, then lets DVC run what follows it."""
+    import subprocess
+
+    from pipeline import dvc_workspace
+    from pipeline.plan_file import write_study_plan
+    from pipeline.sweep import stale_choices
+    from stages.common import Paths
+
+    cfg, paths = _cfg(), Paths(tmp_path)
+    assert stale_choices(cfg, paths, _rows_of()) == {}                      # nothing ran yet
+    write_study_plan(plan(cfg, study="blk", rows_of=_rows_of()), paths)
+    assert stale_choices(cfg, paths, _rows_of()) == {}                      # ran on today's choice
+    write_study_plan(plan(cfg, study="blk"), paths)                          # ran while pending: lr 0.001 each
+    stale = stale_choices(cfg, paths, _rows_of())
+    assert sorted(stale["blk"]) == ["block-hidden-s0: train.lr 0.001 -> 0.003",
+                                    "block-hidden-s1: train.lr 0.001 -> 0.003"]    # the KV arm's best is 0.001
+    calls = []
+    monkeypatch.setattr(dvc_workspace, "ROOT", tmp_path)
+    monkeypatch.setattr(dvc_workspace.shutil, "which", lambda *a, **k: "dvc")
+    monkeypatch.setattr(subprocess, "run", lambda cmd, **kw: calls.append(cmd) or subprocess.CompletedProcess(cmd, 0))
+    import pipeline.sweep
+    monkeypatch.setattr(pipeline.sweep, "finished_rows_in", lambda p: _rows_of())
+    lines = []
+    assert dvc_workspace.repro(cfg, "default", echo=lines.append) == 0
+    assert calls == [["dvc", "repro"], ["dvc", "repro", "--force", "--single-item", "study@blk"], ["dvc", "repro"]]
+    assert len(lines) == 1 and lines[0].startswith("study blk ran on other chosen values")
