@@ -31,7 +31,8 @@ class Forward:
 
         tags = {"trial": t.name, "variant": t.variant, "fingerprint": t.fingerprint, "git_commit": self.commit,
                 "depends_on": t.depends_on or "", "baseline": t.baseline or "", "role": t.role,
-                **{f"data_hash.{k}": v for k, v in t.data_hashes.items()}}
+                **{f"data_hash.{k}": v for k, v in t.data_hashes.items()},
+                **{f"chosen.{c.key}": c.text() for c in t.choices}}     # a value a validation study chose
         params = flatten(t.config)
         params.update({f"sweep.{k}": v for k, v in t.values.items()})
         return params, tags

@@ -62,6 +62,9 @@ def test_each_arm_trains_at_its_validation_best_and_keeps_its_name_and_baseline(
     assert (c.key, c.by, c.value) == ("train.lr", "val", 0.001) and set(c.scores) == {str(v) for v in LRS}
     assert not next(t for t in after if t.name == "eagle3-s1").choices     # the validation study trains no eagle3
     # the plan says how each value was chosen; the fingerprinted config holds the value
+    from pipeline.forward import Forward
+    _, tags = Forward(None, None, {kv.name: kv}, "abc", None)._params_tags(kv)     # its MLflow run says so too
+    assert tags["chosen.train.lr"] == c.text()
     entry = planned(kv, cfg, {})
     assert entry.config["train"]["lr"] == 0.001 and entry.chosen["train.lr"].startswith("train.lr 0.001 chosen by val")
 
