@@ -15,12 +15,11 @@ same (the chosen value is not one of the values that name a trial).
 """
 from __future__ import annotations
 
-import json
 import math
 from dataclasses import dataclass
 from typing import Any, Callable
 
-from pipeline.config import Config, ConfigError, resolve_key
+from pipeline.config import Config, ConfigError, lookup, resolve_key, settings_key
 from pipeline.fingerprint import TRIAL_SECTIONS
 from pipeline.trial import Trial
 
@@ -84,19 +83,9 @@ def _set_keys(grid: dict[str, list[Any]], include: list[dict[str, Any]]) -> set[
     return {resolve_key(k) for k in grid} | {resolve_key(k) for entry in include for k in entry}
 
 
-def value_of(cfg: Config, key: str) -> Any:
-    section, name = key.split(".", 1)
-    return getattr(getattr(cfg, section), name)
-
-
 def _arm(cfg: Config, key: str) -> str:
     """A trial's config with what may differ within an arm left out."""
-    tree = cfg.model_dump(mode="json")
-    part = {s: dict(tree[s]) for s in TRIAL_SECTIONS}
-    for free in (key, *ARM_FREE):
-        section, name = free.split(".", 1)
-        part[section].pop(name, None)
-    return json.dumps(part, sort_keys=True, default=str)
+    return settings_key(cfg, TRIAL_SECTIONS, (key, *ARM_FREE))
 
 
 def choose(cfg: Config, key: str, by: str, candidates: list[Trial], rows: dict[str, dict]) -> Choice | None:
@@ -111,16 +100,19 @@ def choose(cfg: Config, key: str, by: str, candidates: list[Trial], rows: dict[s
         return Choice(key, by, None, {}, waiting)
     from stages.results import settings_of      # pandas: only once a validation study has rows
 
+    values: dict[str, Any] = {}                      # each value by its text, in plan order
     groups: dict[str, list[Trial]] = {}
     for t in mine:
-        groups.setdefault(json.dumps(value_of(t.config, key)), []).append(t)
+        value = lookup(t.config, key)
+        values.setdefault(str(value), value)
+        groups.setdefault(str(value), []).append(t)
     scores: dict[str, float] = {}
-    for value, members in groups.items():
+    for text, members in groups.items():
         settings = settings_of(by, [rows[t.name] for t in members])
         score = settings[0].value(METRIC) if len(settings) == 1 else math.nan
-        scores[str(json.loads(value))] = score if math.isfinite(score) else -math.inf
-    best = max(groups, key=lambda v: scores[str(json.loads(v))])     # the first in plan order on a tie
-    return Choice(key, by, json.loads(best), scores)
+        scores[text] = score if math.isfinite(score) else -math.inf
+    best = max(groups, key=scores.get)               # the first in plan order on a tie
+    return Choice(key, by, values[best], scores)
 
 
-__all__ = ["Choice", "RowsOf", "choose", "chosen_keys", "value_of"]
+__all__ = ["Choice", "RowsOf", "choose", "chosen_keys"]

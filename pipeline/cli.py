@@ -378,7 +378,7 @@ def _repro_part(cfg: Config, profile: str, spec: str) -> int:
         raise ConfigError(f"--part {spec!r}: expected STUDY/PART with a study of this profile "
                           f"({', '.join(sorted(cfg.studies)) or 'none'})")
     ws = Paths(ROOT if profile == "default" else workspace(profile))
-    trials = plan(cfg, {}, study, rows_of=finished_rows_in(ws) if cfg.studies[study].choose else None)
+    trials = plan(cfg, {}, study, rows_of=finished_rows_in(ws))
     check_parts(trials, cfg, study)
     mine = plan_part(trials, part_filter(cfg, study, part))
     check_chosen(mine, cfg)                  # before the data stages: a value still waits for its validation

@@ -7,11 +7,12 @@ from __future__ import annotations
 
 import difflib
 import itertools
+import json
 import os
 import re
 import sys
 from pathlib import Path
-from typing import Any
+from typing import Any, Iterable
 
 import yaml
 from pydantic import BaseModel, Field, ValidationError, field_validator
@@ -154,6 +155,25 @@ def unknown_key_message(key: str, candidates: list[str] | None = None) -> str:
     near = close_keys(key, candidates)
     guess = f"; did you mean {' or '.join(near)}?" if near else ""
     return f"unknown key {key!r}{guess} ({KEYS_HINT})"
+
+
+def lookup(cfg: Config | dict, dotted: str) -> Any:
+    """The value of a dotted key (`train.seed`) in a resolved config or its dump."""
+    node: Any = cfg
+    for part in dotted.split("."):
+        node = node[part] if isinstance(node, dict) else getattr(node, part)
+    return node
+
+
+def settings_key(cfg: Config, sections: tuple[str, ...], leave_out: Iterable[str] = ()) -> str:
+    """The config's `sections` as one comparable string, without the dotted keys `leave_out`: two configs with
+    the same agree on everything else there."""
+    tree = cfg.model_dump(mode="json")
+    part = {s: dict(tree[s]) for s in sections}
+    for key in leave_out:
+        section, _, name = key.partition(".")
+        part.get(section, {}).pop(name, None)
+    return json.dumps(part, sort_keys=True, default=str)
 
 
 def resolve_key(key: str) -> str:

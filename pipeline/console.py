@@ -8,8 +8,9 @@ from typing import Any
 from rich.console import Console
 from rich.table import Table
 
+from pipeline.config import lookup
 from pipeline.cost import estimated_cost, plan_estimate, replay, schedule_order
-from pipeline.plan import ADHOC, VARIANT, lookup, varying_keys
+from pipeline.plan import ADHOC, VARIANT, varying_keys
 from pipeline.result import SweepResult
 from pipeline.standalone import fingerprint_trials
 from pipeline.trial import Trial, cached_result, finished_elsewhere

@@ -8,8 +8,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from pipeline.config import Config, ConfigError
-from pipeline.plan import eagle3_key, lookup, resolve_axes
+from pipeline.config import Config, ConfigError, lookup
+from pipeline.plan import eagle3_key, resolve_axes
 from pipeline.trial import CKPT_CHILDREN, Trial, is_continued
 from stages.common import filter_text
 

@@ -13,8 +13,9 @@ import json
 import re
 from typing import Any, Literal
 
-from pipeline.choices import Choice, RowsOf, choose, chosen_keys, value_of
-from pipeline.config import Config, ConfigError, resolve_key, with_values
+from pipeline.choices import Choice, RowsOf, choose, chosen_keys
+from pipeline.config import Config, ConfigError, lookup, resolve_key, settings_key, with_values
+from pipeline.fingerprint import TRIAL_SECTIONS
 from pipeline.trial import CKPT_CHILDREN, CONTINUED, Trial, is_continued, needs_parent
 from stages import validation
 
@@ -119,22 +120,11 @@ def _product(axes: dict[str, list[Any]]) -> list[dict[str, Any]]:
     return [dict(zip(keys, combo)) for combo in itertools.product(*(axes[k] for k in keys))]
 
 
-def lookup(cfg: Config, dotted: str) -> Any:
-    """The value of a dotted key (`train.seed`) in a resolved config."""
-    node: Any = cfg
-    for part in dotted.split("."):
-        node = node[part] if isinstance(node, dict) else getattr(node, part)
-    return node
-
 
 def eagle3_key(cfg: Config) -> str:
     """An eagle3 drafter trained for `cfg`: everything but the drafter settings it ignores (a ckpt child, its
     continued control and their eagle3 share it when `train.parent` is empty)."""
-    tree = cfg.model_dump()
-    for k in _EAGLE3_IGNORES:
-        tree["drafter"].pop(k.split(".", 1)[1], None)
-    keep = ("target", "data", "regenerate", "features", "drafter", "train", "eval")
-    return json.dumps({k: tree[k] for k in keep}, sort_keys=True, default=str)
+    return settings_key(cfg, TRIAL_SECTIONS, _EAGLE3_IGNORES)
 
 
 def parent_config(cfg: Config, origin: str = "eagle3 parent") -> Config:
@@ -288,7 +278,7 @@ def _apply_choices(cfg: Config, study: str | None, resolved: Resolved, axes: dic
                 raise ConfigError(f"studies.{study}.choose.{key}: {by} trains a drafter that starts from a "
                                   "checkpoint; a value is chosen for drafters trained from scratch")
             picks.setdefault(i, []).append(picked)
-            if picked.value is not None and picked.value != value_of(trial_cfg, key):
+            if picked.value is not None and picked.value != lookup(trial_cfg, key):
                 resolved[i] = (values, with_values(trial_cfg, {key: picked.value},
                                                    origin=f"study {study}: chosen by {by}"))
     return picks
@@ -354,12 +344,7 @@ def _trials(resolved: Resolved, parents_by_key: dict[str, int], name: str,
 def _training(cfg: Config, chosen: set[str] | frozenset = frozenset()) -> str:
     """Everything but the drafter and the values chosen per trial (`chosen`: each arm at its own best learning
     rate): two trials with the same are trained on the same data, schedule and seed."""
-    tree = cfg.model_dump()
-    part = {k: dict(tree[k]) for k in ("target", "data", "regenerate", "features", "train", "eval")}
-    for key in chosen:
-        section, _, name = key.partition(".")
-        part.get(section, {}).pop(name, None)
-    return json.dumps(part, sort_keys=True, default=str)
+    return settings_key(cfg, ("target", "data", "regenerate", "features", "train", "eval"), chosen)
 
 
 def _plain_eagle3(cfg: Config) -> bool:

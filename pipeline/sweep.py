@@ -29,13 +29,13 @@ from typing import Any
 
 from rich.console import Console
 
-from pipeline.choices import RowsOf, value_of
-from pipeline.config import Config, ConfigError
+from pipeline.choices import RowsOf
+from pipeline.config import Config, ConfigError, lookup
 from pipeline.console import show_summary
 from pipeline.executor import ray_session, run_trials, trial_slots
 from pipeline.forward import Forward
 from pipeline.parts import check_parts
-from pipeline.plan import lookup, plan, varying_keys, waves
+from pipeline.plan import plan, varying_keys, waves
 from pipeline.plan_file import read_study_plan, write_study_plan
 from pipeline.result import SweepResult
 from pipeline.standalone import fingerprint_trials
@@ -147,7 +147,7 @@ def stale_choices(cfg: Config, paths: Paths, rows_of: RowsOf | None = None) -> d
         for t in plan(cfg, study=study, rows_of=rows_of or finished_rows_in(paths)):
             for c in t.choices:
                 ran = written.get(t.name)
-                if c.value is not None and ran is not None and lookup(ran.config, c.key) != value_of(t.config, c.key):
+                if c.value is not None and ran is not None and lookup(ran.config, c.key) != c.value:
                     out.setdefault(study, []).append(f"{t.name}: {c.key} {lookup(ran.config, c.key)} -> {c.value}")
     return out
 
