@@ -583,3 +583,21 @@ def test_a_block_drafter_is_compared_with_the_hidden_block_arm_never_with_eagle3
     assert any(c.startswith("block, hidden context (seed 0): +") for c in kv)
     assert not any("EAGLE-3" in c for c in kv)
     assert table_row(text.split("End to end")[0], "block, 2 layers, hidden context, B=8")[-1] == "–"
+
+
+def test_b_is_decided_on_the_kv_arm_run_at_the_most_seeds_not_on_the_best_result(tmp_path):
+    """Which KV-reading block arm decides B is fixed by the design: a one-seed arm with a better result is shown
+    beside the five-seed arm, never picked over it (picking the best of two noisy arms would favour "holds")."""
+    block = dict(variant="block", depth=2, block_size=8)
+    specs = [("block-hidden", dict(block, context="hidden"), 0.30, 0.10, range(5)),
+             ("block-kv", dict(block, context="kv"), 0.31, 0.10, range(5)),
+             ("block-both", dict(block, context="both"), 0.60, 0.40, [0])]
+    rows = [fx.row("block", stem, f, a0, a6, s, len(seeds)) for stem, f, a0, a6, seeds in specs for s in seeds]
+    fx.write(tmp_path / "metrics", {"block": rows}, None)
+    settings = collect({"studies": ["block"]}, Paths(tmp_path), draws=200).studies["block"]
+    b = next(v for v in findings({"block": settings}, None, ["small"]) if v.claim == "B")
+    assert b.evidence.startswith("step MAT block, 2 layers, kv context, B=8 ")
+    assert "vs block, 2 layers, hidden context, B=8 " in b.evidence.split(";")[0]
+    assert "5 paired seeds" in b.evidence.split(";")[0]
+    assert "; not decisive: step MAT block, 2 layers, both context, B=8 " in b.evidence
+    assert "one seed (0)), holds" in b.evidence           # the better one-seed arm is shown, and does not decide
