@@ -601,3 +601,29 @@ def test_b_is_decided_on_the_kv_arm_run_at_the_most_seeds_not_on_the_best_result
     assert "5 paired seeds" in b.evidence.split(";")[0]
     assert "; not decisive: step MAT block, 2 layers, both context, B=8 " in b.evidence
     assert "one seed (0)), holds" in b.evidence           # the better one-seed arm is shown, and does not decide
+
+
+def _p3(tmp_path, kv_acc0: dict[int, tuple[float, int]]):
+    """P3's verdict over EAGLE-3 (acc_0 0.40, 5 seeds) and KV-only drafters {depth: (acc_0, seeds)}."""
+    specs = [("eagle3", dict(variant="eagle3"), 0.40, 0.30, 5)]
+    specs += [(f"kv_only-d{d}", dict(variant="kv_only", depth=d), a0, 0.30, n) for d, (a0, n) in kv_acc0.items()]
+    rows = [fx.row("depth", stem, f, a0, a6, s, n) for stem, f, a0, a6, n in specs for s in range(n)]
+    fx.write(tmp_path / "metrics", {"depth": rows}, None)
+    settings = collect({"studies": ["depth"]}, Paths(tmp_path), draws=400).studies["depth"]
+    return next(v for v in findings({"depth": settings}, None, ["small"]) if v.claim == "P3")
+
+
+def test_p3_holds_only_above_every_kv_only_drafter_and_fails_only_at_the_corrected_level(tmp_path):
+    """"EAGLE-3 above every KV-only drafter": each difference must hold; one drafter close to EAGLE-3 leaves it
+    inconclusive and leads the evidence, whatever the others; one clearly above fails it at a Bonferroni level."""
+    v = _p3(tmp_path / "a", {1: (0.20, 1), 2: (0.25, 1), 4: (0.30, 5)})
+    assert v.verdict == HOLDS and v.evidence.count("acc_0 EAGLE-3") == 3
+    v = _p3(tmp_path / "b", {1: (0.20, 1), 2: (0.40, 1), 4: (0.30, 5)})
+    assert v.verdict == INCONCLUSIVE
+    assert v.evidence.startswith("depth study: acc_0 EAGLE-3 (hidden-only) ") and \
+        "vs KV-only, 2 layers" in v.evidence.split(";")[0]
+    # above EAGLE-3 at 95% (the interval's upper end -0.001) but not at 98.3%: the largest of three by chance
+    v = _p3(tmp_path / "d", {1: (0.20, 1), 2: (0.405, 1), 4: (0.30, 5)})
+    assert v.verdict == INCONCLUSIVE and "difference -0.0" in v.evidence.split(";")[0]
+    v = _p3(tmp_path / "c", {1: (0.20, 1), 2: (0.60, 1), 4: (0.30, 5)})
+    assert v.verdict == FAILS and "; a 98.3% interval, corrected for 3 KV-only drafters" in v.evidence
