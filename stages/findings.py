@@ -13,8 +13,10 @@ A claim whose settings are missing is *not measured*.
   more accurate at step 6 (acc_6) *and* uses the target (acc_0 above the no-target control's, and above the
   control with context of its own depth, a causal language model over the prefix tokens, where one was trained).
 - P2: KV-only step MAT grows with depth (deepest vs 1 layer) and the 1 -> 2 jump is the largest.
-- P3: EAGLE-3's acc_0 is above every KV-only drafter's (each at the report's level); it fails when one KV-only
-  drafter is above EAGLE-3 at the level corrected for how many there are (Bonferroni).
+- P3: EAGLE-3's acc_0 is above the deepest KV-only drafter's (P1's); the other KV-only drafters are shown beside it.
+P1 and P3 are decided on the deepest KV-only drafter, B on the KV-reading block arm run at the most seeds: which
+settings decide is fixed by the design, never picked by their results (the best of several noisy settings would
+favour a verdict by chance, and could decide on one seed while another setting ran at five).
 - H: the EAGLE-3-initialised hybrid beats *EAGLE-3 continued for the same schedule* (the compute-matched
   baseline, never the parent alone) on step MAT.
 - E: at the largest data scale decoded for both, the hybrid's relative τ gain over EAGLE-3 continued is smaller
@@ -42,7 +44,8 @@ CLAIMS = {
           "retention acc_6/acc_0 and on acc_6, and above the no-target controls at step 0 (without context, and "
           "with context at its own depth where trained)",
     "P2": "KV-only improves with depth (step MAT), the largest jump from 1 to 2 layers",
-    "P3": "hidden-only is better at k = 0 (EAGLE-3's acc_0 above every KV-only drafter's)",
+    "P3": "hidden-only is better at k = 0 (EAGLE-3's acc_0 above the deepest KV-only drafter's; the other KV-only "
+          "drafters shown beside it)",
     "H": "the hybrid (EAGLE-3 checkpoint init) beats EAGLE-3 continued for the same schedule on step MAT",
     "E": "the hybrid's end-to-end τ gain over EAGLE-3 continued is much smaller than its step-wise MAT gain",
     "B": "block-wise drafting lets the KV path pay off: the KV-reading block drafter (the arm run at the most seeds) "
@@ -182,6 +185,12 @@ def _depth(s: Setting) -> int:
     return int(s.fields.get("depth") or 1)
 
 
+def deepest_kv_only(kv: list[Setting]) -> Setting:
+    """The KV-only drafter P1 and P3 are decided on: the deepest, among those the one run at the most seeds, then
+    the first listed (never the one with the best result)."""
+    return sorted(enumerate(kv), key=lambda p: (-_depth(p[1]), -p[1].n, p[0]))[0][1]
+
+
 def kv_and_eagle(studies: dict[str, list[Setting] | None]) -> tuple[str | None, list[Setting], Setting | None]:
     """The study that compares KV-only with EAGLE-3: depth if it has both, else injection."""
     for name in ("depth", "injection"):
@@ -207,7 +216,7 @@ def claim_p1(studies: dict, level: float) -> Verdict:
     name, kv, eagle = kv_and_eagle(studies)
     if eagle is None:
         return Verdict("P1", CLAIMS["P1"], MISSING, "needs KV-only and EAGLE-3 trials in the depth or injection study")
-    deepest = max(kv, key=lambda s: (_depth(s), s.value("step_retention")))
+    deepest = deepest_kv_only(kv)
     ret = contrast(deepest, eagle, "step_retention", level)
     acc6 = contrast(deepest, eagle, "acc_6", level)
     parts = [ret, acc6]
@@ -270,23 +279,11 @@ def claim_p3(studies: dict, level: float) -> Verdict:
     name, kv, eagle = kv_and_eagle(studies)
     if eagle is None:
         return Verdict("P3", CLAIMS["P3"], MISSING, "needs KV-only and EAGLE-3 trials in the depth or injection study")
-    # "above every KV-only drafter" holds when EAGLE-3 is above each of them at the report's level (an
-    # intersection needs no correction); it fails when one is above EAGLE-3 at the level corrected for the m drafters
-    # that could be (Bonferroni), so that the largest of m noisy values cannot decide it by chance, as picking the
-    # best drafter by its result did. The difference that decides comes first in the evidence.
-    each = [contrast(eagle, s, "acc_0", level) for s in kv]
-    strict = 1 - (1 - level) / len(kv)
-    beaten = [c for c in (contrast(eagle, s, "acc_0", strict) for s in kv) if c.verdict == FAILS]
-    if beaten:
-        verdict, first = FAILS, beaten[0]
-        lead = f"{first.text}; a {strict:.1%} interval, corrected for {len(kv)} KV-only drafters"
-    else:
-        verdict = HOLDS if all(c.verdict == HOLDS for c in each) else INCONCLUSIVE
-        first = min(each, key=lambda c: -math.inf if math.isnan(c.ci[0]) else c.ci[0])
-        lead = first.text
-    rest = [c.text for c in each if c.text != first.text]
-    others = f"; every other KV-only drafter: {'; '.join(rest)}" if rest and not beaten else ""
-    return Verdict("P3", CLAIMS["P3"], verdict, f"{name} study: {lead}{others}")
+    deepest = deepest_kv_only(kv)
+    c = contrast(eagle, deepest, "acc_0", level)
+    others = "".join(f"; not decisive: {o.text}, {o.verdict}"
+                     for o in (contrast(eagle, s, "acc_0", level) for s in kv if s is not deepest))
+    return Verdict("P3", CLAIMS["P3"], c.verdict, f"{name} study: {c.text}{others}")
 
 
 def claim_h(studies: dict, level: float) -> Verdict:
