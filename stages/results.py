@@ -93,6 +93,17 @@ def stepwise_frame(study: str, rows: list[dict]) -> pd.DataFrame:
 
 # -- a setting: point values and draws -------------------------------------------------------------------------
 
+def within_range(name: str, ci: tuple[float, float]) -> tuple[float, float]:
+    """An interval of a bounded metric cut to its range (accuracies in [0, 1], MAT and τ at least 1, retention and
+    speedup at least 0): the seed term, a t-interval over few seeds, can reach past it, and the part outside holds no
+    possible value, so the cut interval covers the truth as often. Differences are not bounded and never cut."""
+    low, high = (0.0, 1.0) if name.startswith(("acc_", "alpha_")) else \
+        (1.0, math.inf) if name.endswith("mat") or name == "tau" else \
+        (0.0, math.inf) if name.endswith("retention") or name == "speedup" else (-math.inf, math.inf)
+    lo, hi = ci
+    return (lo if math.isnan(lo) else max(lo, low), hi if math.isnan(hi) else min(hi, high))
+
+
 @dataclass
 class Setting:
     """One drafter setting of a study, its seeds pooled."""
@@ -138,7 +149,7 @@ class Setting:
 
     def ci(self, name: str, level: float = 0.95) -> tuple[float, float]:
         d = self.resampled(name)
-        return (math.nan, math.nan) if d is None else interval(d, level)
+        return (math.nan, math.nan) if d is None else within_range(name, interval(d, level))
 
     @property
     def seed_labels(self) -> tuple[str, ...] | None:
@@ -299,7 +310,7 @@ class E2EKind:
 
     def ci(self, name: str, level: float = 0.95) -> tuple[float, float]:
         d = getattr(self, name, None) if name in ("tau", "speedup") else None
-        return (math.nan, math.nan) if d is None else interval(d, level)
+        return (math.nan, math.nan) if d is None else within_range(name, interval(d, level))
 
 
 @dataclass

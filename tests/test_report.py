@@ -623,3 +623,25 @@ def test_p1_and_p3_are_decided_on_the_deepest_kv_only_drafter_whatever_the_other
         assert "vs KV-only, 4 layers, linear " in lead and "5 paired seeds" in lead
         assert len(rest) == 2 and "vs KV-only, 2 layers, linear " in rest[1] and "one seed (0)" in rest[1]
     assert rest[1].endswith(", does not hold")              # (c): shown, with its own verdict
+
+
+def test_a_bounded_metrics_interval_stays_in_its_range_and_a_difference_is_never_cut(tmp_path):
+    """Three seeds far apart around a low accuracy: the seed term (a t-interval with 2 degrees of freedom) reaches
+    below 0, which no accuracy can be; the shown interval stops at 0 (MAT at 1), a difference's interval is not cut."""
+    from stages.results import within_range
+
+    assert within_range("acc_0", (-0.004, 0.119)) == (0.0, 0.119)
+    assert within_range("alpha_6", (0.9, 1.2)) == (0.9, 1.0)
+    assert within_range("step_mat", (0.97, 1.2)) == (1.0, 1.2) and within_range("tau", (0.8, 1.1)) == (1.0, 1.1)
+    assert within_range("step_retention", (-0.5, 2.5)) == (0.0, 2.5)
+    lo, hi = within_range("acc_0", (float("nan"), float("nan")))
+    assert np.isnan(lo) and np.isnan(hi)
+    rows = [fx.row("depth", "eagle3", dict(variant="eagle3"), a0, 0.01, s, 3)
+            for s, a0 in enumerate((0.005, 0.06, 0.14))]
+    rows += [fx.row("depth", "kv_only", dict(variant="kv_only"), a0, 0.01, s, 3) for s, a0 in enumerate((0.2,) * 3)]
+    fx.write(tmp_path / "metrics", {"depth": rows}, None)
+    settings = collect({"studies": ["depth"]}, Paths(tmp_path), draws=400).studies["depth"]
+    eagle = next(s for s in settings if s.fields["variant"] == "eagle3")
+    assert eagle.ci("acc_0")[0] == 0.0 and eagle.ci("step_mat")[0] >= 1.0
+    from models.stats import interval
+    assert interval(eagle.resampled("acc_0"), 0.95)[0] < 0        # what the seed term alone gives
