@@ -95,7 +95,8 @@ def validation_section(name: str, settings: list[Setting], rows: list[dict], oth
         if len(order) > 1:
             runner = order[1]
             c = contrast(top, runner, METRIC, level)
-            text += f" (over {_swept(runner)}: {c.diff:+.3f} {fmt_ci(*c.ci, signed=True)}, {c.seeds})"
+            tie = ", a tie in step MAT, broken by plan order" if top.value(METRIC) == runner.value(METRIC) else ""
+            text += f" (over {_swept(runner)}: {c.diff:+.3f} {fmt_ci(*c.ci, signed=True)}, {c.seeds}{tie})"
         used = trained_lrs(others, top)
         lr = _lr_of(top)
         if used and lr is not None:

@@ -2,6 +2,7 @@
 learning rate) on training conversations beyond its data scale, never on the eval split; the planner points its
 trials there, the sweep writes the file before fingerprinting, the report shows the choice apart from the findings
 and flags an eval-split study that trains an arm at another learning rate."""
+import copy
 import json
 import sys
 from pathlib import Path
@@ -203,3 +204,17 @@ def test_b_says_the_learning_rate_each_arm_trained_at(tmp_path):
     res = collect({"studies": list(rows)}, Paths(tmp_path), draws=200)
     b = next(v for v in findings({"block": res.studies["block"]}, None, ["small"]) if v.claim == "B")
     assert "(trained at lr 0.001 vs 0.003)" in b.evidence
+
+
+def test_an_exact_tie_in_the_validation_is_said_and_broken_by_plan_order(tmp_path):
+    rows = _lr_rows(0.001)
+    best = next(r for r in rows["block_lr"] if r["trial"] == "block-hidden-lr0.003")
+    i = next(i for i, r in enumerate(rows["block_lr"]) if r["trial"] == "block-hidden-lr0.001")
+    keep = {k: rows["block_lr"][i][k] for k in ("trial", "fingerprint", "values", "lr")}
+    rows["block_lr"][i] = {**copy.deepcopy(best), **keep}        # lr 0.001 scores exactly as lr 0.003
+    section = _report(tmp_path, rows).split("## Validation: block_lr")[1].split("\n## ")[0]
+    hidden = next(line for line in section.splitlines() if line.startswith("- **block") and "hidden" in line)
+    assert hidden.startswith("- **block, 2 layers, hidden context, B=8**: best at lr 0.001 (over lr 0.003: +0.000")
+    assert ", a tie in step MAT, broken by plan order)" in hidden
+    kv = next(line for line in section.splitlines() if line.startswith("- **block") and "kv context" in line)
+    assert "tie" not in kv
