@@ -13,8 +13,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from stages.findings import like_with_like
-from stages.results import Setting
+from stages.results import Setting, like_with_like
 
 
 def same_data(a: Setting, b: Setting) -> bool:

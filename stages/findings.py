@@ -14,17 +14,18 @@ A claim whose settings are missing is *not measured*.
   control with context of its own depth, a causal language model over the prefix tokens, where one was trained).
 - P2: KV-only step MAT grows with depth (deepest vs 1 layer) and the 1 -> 2 jump is the largest.
 - P3: EAGLE-3's acc_0 is above the deepest KV-only drafter's (P1's); the other KV-only drafters are shown beside it.
-P1 and P3 are decided on the deepest KV-only drafter, B on the KV-reading block arm run at the most seeds: which
-settings decide is fixed by the design, never picked by their results (the best of several noisy settings would
-favour a verdict by chance, and could decide on one seed while another setting ran at five).
 - H: the EAGLE-3-initialised hybrid beats *EAGLE-3 continued for the same schedule* (the compute-matched
   baseline, never the parent alone) on step MAT.
 - E: at the largest data scale decoded for both, the hybrid's relative τ gain over EAGLE-3 continued is smaller
   than `much_smaller_ratio` x its relative step-MAT gain (there must be a clear step-wise gain to shrink).
 - B: the block-wise question (the paper's proposal): the block drafter reading the target KV (the arm run at the
-  most seeds, fixed by the design: `decisive_kv_arm`) beats the one reading projected hidden states, step-wise (step MAT, both free-running block drafters) and end to end (τ at the
-  paper's tree, one tree shared by both). Block drafters' step accuracy is free-running, an autoregressive
-  drafter's teacher-forced: the two families are never compared on step metrics.
+  most seeds: `decisive_kv_arm`) beats the one reading projected hidden states, step-wise (step MAT, both
+  free-running block drafters) and end to end (τ at the paper's tree, one tree shared by both). Block drafters'
+  step accuracy is free-running, an autoregressive drafter's teacher-forced: the two families are never compared
+  on step metrics.
+P1 and P3 are decided on the deepest KV-only drafter, B on the KV-reading block arm run at the most seeds: which
+settings decide is fixed by the design, never picked by their results (the best of several noisy settings would
+favour a verdict by chance, and could decide on one seed while another setting ran at five).
 Step metrics are the paper-comparable family (its α_k); chain acceptance is shown beside them in the tables.
 """
 from __future__ import annotations
@@ -36,7 +37,8 @@ from typing import Any
 import numpy as np
 
 from models.stats import FAILS, HOLDS, INCONCLUSIVE, decide, interval, seed_differences
-from stages.results import E2EGroup, E2EKind, Setting, label
+from stages.baselines import baseline_for
+from stages.results import E2EGroup, E2EKind, Setting, label, like_with_like
 
 MISSING = "not measured"
 CLAIMS = {
@@ -94,16 +96,6 @@ class Contrast:
     ci: tuple[float, float]
     text: str
     seeds: str = ""
-
-
-def like_with_like(a: Setting, b: Setting) -> tuple[Setting, Setting]:
-    """A one-seed setting against a several-seed one is compared with the other's same seed, when it ran it."""
-    la, lb = a.seed_labels, b.seed_labels
-    if a.n == 1 and b.n > 1 and la and lb and la[0] in lb:
-        return a, b.only(la[0])
-    if b.n == 1 and a.n > 1 and la and lb and lb[0] in la:
-        return a.only(lb[0]), b
-    return a, b
 
 
 def seed_note(a: Setting, b: Setting, metric: str) -> str:
@@ -188,7 +180,7 @@ def _depth(s: Setting) -> int:
 def deepest_kv_only(kv: list[Setting]) -> Setting:
     """The KV-only drafter P1 and P3 are decided on: the deepest, among those the one run at the most seeds, then
     the first listed (never the one with the best result)."""
-    return sorted(enumerate(kv), key=lambda p: (-_depth(p[1]), -p[1].n, p[0]))[0][1]
+    return min(kv, key=lambda s: (-_depth(s), -s.n))
 
 
 def kv_and_eagle(studies: dict[str, list[Setting] | None]) -> tuple[str | None, list[Setting], Setting | None]:
@@ -459,16 +451,13 @@ def decisive_kv_arm(kv: list[Setting]) -> Setting:
     seeds (the study profile runs B's two arms at 5), at equal seeds the KV context before KV-plus-hidden, then the
     first listed. Deciding on the arm with the best result would favour "holds" by chance (the larger of two noisy
     values) and could decide B at one seed while another arm ran at five."""
-    ranked = sorted(enumerate(kv), key=lambda p: (-p[1].n, p[1].fields.get("context") != "kv", p[0]))
-    return ranked[0][1]
+    return min(kv, key=lambda s: (-s.n, s.fields.get("context") != "kv"))
 
 
 def hidden_arm_of(kv: Setting, hidden: list[Setting]) -> Setting:
-    """The hidden-context block arm a KV-reading one is compared with: the baseline its rows name (the planner's),
-    else one of its depth and block size, else any; among several, the one run at the most seeds."""
-    named = [h for h in hidden if kv.baselines & set(h.trials)]
-    shaped = [h for h in hidden if all(h.fields.get(k) == kv.fields.get(k) for k in ("depth", "block_size"))]
-    return sorted(enumerate(named or shaped or hidden), key=lambda p: (-p[1].n, p[0]))[0][1]
+    """The hidden-context block arm a KV-reading one is compared with: its baseline, as the report's tables name it
+    (`baselines.baseline_for`), else the hidden arm run at the most seeds."""
+    return baseline_for(kv, hidden) or min(hidden, key=lambda h: -h.n)
 
 
 def hidden_step0(hidden: Setting, studies: dict, level: float) -> str:

@@ -180,6 +180,16 @@ class Setting:
         return sub
 
 
+def like_with_like(a: Setting, b: Setting) -> tuple[Setting, Setting]:
+    """A one-seed setting against a several-seed one is compared with the other's same seed, when it ran it."""
+    la, lb = a.seed_labels, b.seed_labels
+    if a.n == 1 and b.n > 1 and la and lb and la[0] in lb:
+        return a, b.only(la[0])
+    if b.n == 1 and a.n > 1 and la and lb and lb[0] in la:
+        return a.only(lb[0]), b
+    return a, b
+
+
 def _point_from_lists(rows: list[dict]) -> dict[str, float]:
     """Point values of rows without per-conversation counts: the mean over seeds of each row's own numbers."""
     K = max(len(r.get("acc") or r["alpha"]) for r in rows)
