@@ -246,9 +246,9 @@ def test_a_part_of_a_study_runs_in_one_go_from_a_fresh_workspace(tmp_path):
 STAGE_ENTRIES = {"prepare": ["stages.prepare"], "regenerate": ["stages.regenerate"], "features": ["stages.features"],
                  "study": ["stages.train", "stages.evaluate", "stages.validation"], "e2e": ["stages.e2e"], "report": ["stages.report"]}
 # Docstring-only package markers, and evaluate's import of the report's number formatting (findings.fmt, which
-# imports results): it prints a number and changes none of a trial's.
+# imports results and baselines): it prints a number and changes none of a trial's.
 NOT_CODE = {"models/__init__.py", "stages/__init__.py"}
-PRINT_ONLY = {"stages/findings.py", "stages/results.py"}
+PRINT_ONLY = {"stages/findings.py", "stages/results.py", "stages/baselines.py"}
 # In the stages' own closure but not in a trial's code hash: the params sections (their resolved values are the
 # trial's hashed config) and the hash itself (a change of TRIAL_CODE or of how it hashes changes the hash anyway).
 NOT_HASHED = {"stages/sections.py", "stages/code_hash.py"}
