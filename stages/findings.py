@@ -27,12 +27,16 @@ P1 and P3 are decided on the deepest KV-only drafter, B on the KV-reading block 
 settings decide is fixed by the design, never picked by their results (the best of several noisy settings would
 favour a verdict by chance, and could decide on one seed while another setting ran at five).
 Step metrics are the paper-comparable family (its α_k); chain acceptance is shown beside them in the tables.
+
+Each verdict holds its level alone. Read together, six claims at 95% each would let some verdict be decided by
+chance far more often than 5% of the time, so `family_wise` also decides the measured claims together, by Holm's
+step-down on the same intervals: the chance that any of them is decided wrongly stays at 1 - level.
 """
 from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Callable
 
 import numpy as np
 
@@ -485,5 +489,27 @@ def findings(studies: dict, e2e: list[E2EGroup] | None, scales: list[str], much_
     return out
 
 
+def family_wise(verdicts_at: Callable[[float], list[Verdict]], level: float = 0.95) -> dict[str, str]:
+    """Each measured claim's verdict when all of them are decided together at family-wise `level`, by Holm's
+    step-down: with m claims still open, those whose verdict is decided (holds, or does not hold) at level
+    1 - (1 - level) / m are decided and leave the family; repeat with the smaller m until none more is decided.
+    The rest are inconclusive. `verdicts_at(level)` gives every claim's verdict at a level (the same draws, so
+    only the interval's width changes). A claim that is inconclusive alone stays so; one decided alone may not
+    survive. Holm holds the family-wise level whatever the claims' dependence (they share EAGLE-3's runs)."""
+    alpha, alone = 1 - level, verdicts_at(level)
+    open_ = {v.claim for v in alone if v.verdict in (HOLDS, FAILS)}
+    together = {v.claim: INCONCLUSIVE for v in alone if v.verdict != MISSING}
+    m = len(together)
+    while open_:
+        decided = {v.claim: v.verdict for v in verdicts_at(1 - alpha / m)
+                   if v.claim in open_ and v.verdict in (HOLDS, FAILS)}
+        if not decided:
+            break
+        together.update(decided)
+        open_ -= decided.keys()
+        m -= len(decided)
+    return together
+
+
 __all__ = ["CLAIMS", "Contrast", "E2EKind", "FAILS", "HOLDS", "INCONCLUSIVE", "MISSING", "Verdict", "combine",
-           "contrast", "findings", "fmt", "fmt_ci"]
+           "contrast", "family_wise", "findings", "fmt", "fmt_ci"]

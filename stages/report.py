@@ -5,8 +5,9 @@ provenance the pipeline hands in: no tracking server is needed, and the same inp
 from its date line) and the same PNG bytes (the bootstrap is seeded). MLflow holds the same numbers for browsing.
 
 What it writes (DESIGN §4, §8, §10):
-- a findings section: one verdict per claim of the paper, decided by the 95% interval of a difference
-  (`stages.findings`), "inconclusive" when the interval straddles 0;
+- a findings section (`stages.report_findings`): one verdict per claim of the paper, decided by the 95% interval
+  of a difference (`stages.findings`), "inconclusive" when the interval straddles 0, and beside it the claims
+  decided together (Holm's step-down);
 - per study two tables from pandas DataFrames (`stages.results`): **step accuracy** acc_k, step retention and
   step MAT (the paper-comparable family, its numbers beside ours where the setting matches,
   `stages/paper_numbers.yaml`), with the compute-matched baseline each drafter is compared with
@@ -31,12 +32,12 @@ import yaml
 from stages.baselines import baseline_for, difference
 from stages.common import Paths, Report, write_text_atomic
 from stages.engine_report import ENGINE_METRICS, engine_section
-from stages.findings import CLAIM_STUDIES, MISSING, Verdict, findings, fmt_ci
+from stages.findings import MISSING, Verdict, fmt_ci
 from stages.report_cells import PAPER_LABEL, cell, md_table, paper_cell, paper_row, tree_text
 from stages.report_figures import FigureDir, plot_e2e, plot_retention, plot_steps
-from stages.report_provenance import (OTHER_CODE, PROVISIONAL, main_code, not_run_yet, on_other_code,
-                                      parts_provenance, planned_not_run, provenance_table, provisional_note,
-                                      study_provenance, waiting_studies)
+from stages.report_findings import demonstration_steps, findings_section, verdicts
+from stages.report_provenance import (OTHER_CODE, main_code, not_run_yet, on_other_code, parts_provenance,
+                                      planned_not_run, provenance_table, study_provenance)
 from stages.report_validation import is_validation, validation_section
 from stages.results import (LOOKUP_KIND, PAPER_TREE, E2EGroup, Results, Setting, collect, label, read_rows,
                             scale_order, sort_key, variant_name)
@@ -325,25 +326,6 @@ TITLES = {"injection": "Injection study (KV-only, 1 layer)", "depth": "Depth stu
 # decoded outside any other study.
 SCALE_STUDY = "scale"
 
-NOT_DECIDED = "not decided at this training length"
-DEMO_FRACTION = 0.5     # trials trained less than this share of `decisive_steps` make every verdict a demonstration
-
-
-def trained_steps(studies: dict[str, list[Setting] | None]) -> float:
-    """The median optimizer steps of the trials behind the report's settings (NaN: not recorded)."""
-    steps = [s.value("train_steps") for settings in studies.values() for s in settings or [] if s.n]
-    steps = [x for x in steps if math.isfinite(x)]
-    return float(pd.Series(steps).median()) if steps else math.nan
-
-
-def demonstration_steps(params: ReportParams, studies: dict[str, list[Setting] | None]) -> float | None:
-    """The median optimizer steps of the report's trials when they trained too little (under DEMO_FRACTION of the
-    `decisive_steps` that decide a claim) for any verdict to say anything; None when the verdicts decide."""
-    steps = trained_steps(studies)
-    demo = params.decisive_steps is not None and math.isfinite(steps) and steps < DEMO_FRACTION * params.decisive_steps
-    return steps if demo else None
-
-
 @dataclass(frozen=True)
 class Inputs:
     """What the sections read: the stage's params and provenance, the paper's numbers, and the metrics collected
@@ -399,33 +381,6 @@ def _introduction(params: ReportParams) -> list[str]:
             "paper's target and data scale differ from ours: compare shapes and orderings, not absolute values. "
             "Every term (acc_k, chain α_k, step MAT, τ, tree, compute-matched, fingerprint, part, verdict) is "
             "defined in the repository's glossary, `docs/glossary.md`.", ""]
-
-
-def _findings_section(params: ReportParams, verdicts: list[Verdict], demo_steps: float | None,
-                      pending: dict[str, dict[str, str]]) -> list[str]:
-    """One verdict per claim; in a demonstration (`demo_steps`: too little training) each marked not decided; a
-    verdict whose studies' plans hold trials without rows yet (`pending`) marked provisional."""
-    pct = round(params.level * 100)
-    md = ["## Findings", "",
-          f"A claim *holds* or *does not hold* only when the {pct}% interval of its difference excludes 0; "
-          "otherwise it is *inconclusive* (the interval is in the evidence); *not measured*: no data. Drafters "
-          "initialised from a trained EAGLE-3 are compared with EAGLE-3 continued for the same schedule "
-          "(compute-matched), never with the EAGLE-3 they started from.", ""]
-    demo = demo_steps is not None
-    if demo:
-        md += [f"**A demonstration, not a decision.** These drafters trained {demo_steps:.0f} optimizer steps "
-               f"(median over trials), {demo_steps / params.decisive_steps:.0%} of the {params.decisive_steps} that "
-               "decide a claim (the study profile's): no verdict below says anything about the paper's claims; each "
-               "says what its interval would read, marked *not decided at this training length*. The decisions are "
-               "in the study profile's report.", ""]
-    shown = [f"**{NOT_DECIDED}** (interval: {v.verdict})" if demo and v.verdict != MISSING else f"**{v.verdict}**"
-             for v in verdicts]
-    waiting = waiting_studies({v.claim: CLAIM_STUDIES.get(v.claim, ()) for v in verdicts if v.verdict != MISSING},
-                              pending)
-    shown = [f"{text} ({PROVISIONAL})" if waiting.get(v.claim) else text for v, text in zip(verdicts, shown)]
-    md.append(md_table(pd.DataFrame([[v.claim, v.statement, text, v.evidence] for v, text in zip(verdicts, shown)],
-                                    columns=["claim", "statement", "verdict", "evidence"])))
-    return md + ["", *([provisional_note(waiting, pending), ""] if any(waiting.values()) else [])]
 
 
 def _study_section(inp: Inputs, name: str) -> list[str]:
@@ -568,12 +523,12 @@ def _provenance_section(inp: Inputs) -> list[str]:
     return md
 
 
-def _stage_metrics(inp: Inputs, verdicts: list[Verdict], demo: bool) -> dict[str, float]:
+def _stage_metrics(inp: Inputs, alone: list[Verdict], demo: bool) -> dict[str, float]:
     """What the stage reports to the pipeline (no claim holds in a demonstration)."""
     present = inp.present
     n_failed = sum(len(s.failed) for ss in present.values() for s in ss)
     return {"report/settings": float(sum(len(s) for s in present.values())), "report/failed_trials": float(n_failed),
-            "report/claims_holding": float(0 if demo else sum(v.verdict == "holds" for v in verdicts))}
+            "report/claims_holding": float(0 if demo else sum(v.verdict == "holds" for v in alone))}
 
 
 # -- the stage -------------------------------------------------------------------------------------------------
@@ -581,11 +536,10 @@ def _stage_metrics(inp: Inputs, verdicts: list[Verdict], demo: bool) -> dict[str
 def run(params: ReportParams, context: dict, paths: Paths, report: Report) -> None:
     """Read the metrics JSON, write reports/README.md and reports/figures/*.png (atomically)."""
     inp = read_inputs(params, context, paths)
-    verdicts = findings(inp.studies, inp.e2e if inp.res.e2e is not None else None, inp.scales,
-                        params.much_smaller_ratio, params.level)
+    alone, together = verdicts(params, inp.studies, inp.e2e if inp.res.e2e is not None else None, inp.scales)
     demo_steps = demonstration_steps(params, inp.studies)
     pending = planned_not_run(inp.context)      # a study not run at all waits too (B: block_lr's choice)
-    md = _introduction(params) + _findings_section(params, verdicts, demo_steps, pending)
+    md = _introduction(params) + findings_section(params, alone, together, demo_steps, pending)
     for name in inp.res.names:
         md += _study_section(inp, name) if name not in inp.validation else \
             validation_section(name, inp.validation[name], inp.res.raw[name] or [],
@@ -593,7 +547,7 @@ def run(params: ReportParams, context: dict, paths: Paths, report: Report) -> No
     md += _engines_section(inp) + _retention_section(inp) + _problems_section(inp) + _provenance_section(inp)
     inp.figures.remove_stale()
     write_text_atomic(paths.reports / "README.md", "\n".join(md))
-    report(_stage_metrics(inp, verdicts, demo_steps is not None))
+    report(_stage_metrics(inp, alone, demo_steps is not None))
 
 
 __all__ = ["MISSING", "ReportParams", "Verdict", "e2e_baselines", "e2e_check_note", "load_paper_numbers", "run"]

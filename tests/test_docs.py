@@ -15,6 +15,8 @@ from pathlib import Path
 
 import pytest
 
+from stages.report_findings import TOGETHER
+
 ROOT = Path(__file__).resolve().parent.parent
 README = ROOT / "README.md"
 REPORT = ROOT / "results" / "study" / "report.md"
@@ -63,7 +65,8 @@ def report_claims(text: str) -> dict[str, dict[str, str]]:
     for section, rows in md_tables(text):
         if section == "Findings" and rows and "claim" in rows[0]:
             # "**holds**", or "**holds** (provisional)" while the study's plan has trials without rows yet
-            return {r["claim"]: {"verdict": r["verdict"].replace("*", ""), "evidence": r["evidence"]} for r in rows}
+            return {r["claim"]: {"verdict": r["verdict"].replace("*", ""), "evidence": r["evidence"],
+                                 "together": r.get(TOGETHER, "–").replace("*", "")} for r in rows}
     raise ValueError("the report has no claims table under '## Findings'")
 
 
@@ -202,14 +205,15 @@ def claims_table(report_text: str) -> str:
     unknown = set(claims) - set(CLAIM_WORDS)
     if unknown:
         raise ValueError(f"claims {sorted(unknown)} have no short wording in tests/test_docs.py CLAIM_WORDS")
-    rows = ["| claim | in a few words | verdict | decisive difference [95% interval] | seeds |",
-            "| --- | --- | --- | --- | --- |"]
+    rows = [f"| claim | in a few words | verdict | {TOGETHER} | decisive difference [95% interval] | seeds |",
+            "| --- | --- | --- | --- | --- | --- |"]
     for cid, c in claims.items():
         items = decisive(cid, c["verdict"], c["evidence"], seeds)
         if len({s for _, s in items}) == 1:     # one seed count for every line: say it once
             items = [(d, items[0][1] if i == 0 else "") for i, (d, _) in enumerate(items)]
         items_seeds = [s for _, s in items if s]
-        rows.append(f"| {cid} | {CLAIM_WORDS[cid]} | **{c['verdict']}** | {'<br>'.join(d for d, _ in items)} | "
+        rows.append(f"| {cid} | {CLAIM_WORDS[cid]} | **{c['verdict']}** | {c['together']} | "
+                    f"{'<br>'.join(d for d, _ in items)} | "
                     f"{'<br>'.join(items_seeds)} |")
     return "\n".join(rows)
 
@@ -251,6 +255,7 @@ def test_readme_claims_verdicts_and_numbers_read_from_the_report():
     for r in rows:
         ev = claims[r["claim"]]
         assert r["verdict"].strip("*") == ev["verdict"], r["claim"]
+        assert r[TOGETHER] == ev["together"], r["claim"]
         numbers = re.findall(r"[-+]?\d+\.\d+%?", r["decisive difference [95% interval]"])
         assert numbers or ev["verdict"] == "not measured", r["claim"]
         for x in numbers:

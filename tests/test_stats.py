@@ -174,3 +174,40 @@ def test_seed_term_is_the_t_pivot_of_the_per_seed_values():
     assert lo < 0 < hi          # B's three per-seed differences: inconclusive by the t-interval
     assert not seed_t_weights(1, 10, np.random.default_rng(0)).any()
     assert seed_differences({"0": 0.5, "1": 0.7, "10": 0.1}, {"1": 0.6, "0": 0.4}) == pytest.approx({"0": 0.1, "1": 0.1})
+
+
+# -- several claims decided together (stages.findings.family_wise) --------------------------------------------
+
+def _normal_draws(mu: float, n: int = 20_000) -> np.ndarray:
+    """Draws whose percentile interval at any level is mu ± z·1 (exact normal quantiles, no sampling noise)."""
+    from statistics import NormalDist
+    return mu + np.array([NormalDist().inv_cdf((i + 0.5) / n) for i in range(n)])
+
+
+def _claims_at(means: dict[str, float | None]):
+    """verdicts_at(level) for claims whose difference draws are N(mean, 1); None: not measured."""
+    from stages.findings import MISSING, Verdict
+    draws = {c: _normal_draws(m) for c, m in means.items() if m is not None}
+
+    def at(level: float) -> list:
+        return [Verdict(c, "", decide(draws[c], level)[0] if c in draws else MISSING, "") for c in means]
+    return at
+
+
+@pytest.mark.parametrize("means, want", [
+    # A is decided at 1 - 0.05/3 (z 2.39), then B at 1 - 0.05/2 (z 2.24): Holm decides what Bonferroni (z 2.39
+    # for every claim) would not
+    ({"A": 5.0, "B": 2.3, "C": 0.5, "D": None}, {"A": HOLDS, "B": HOLDS, "C": INCONCLUSIVE}),
+    # B holds alone (z 1.96) but not with two claims still open (z 2.24)
+    ({"A": 5.0, "B": 2.1, "C": 0.5}, {"A": HOLDS, "B": INCONCLUSIVE, "C": INCONCLUSIVE}),
+    # a claim that does not hold is decided like one that holds; an inconclusive one stays so
+    ({"A": -5.0, "B": 3.0, "C": -1.0}, {"A": FAILS, "B": HOLDS, "C": INCONCLUSIVE}),
+    # with nothing decided at the first step, nothing is decided
+    ({"A": 2.2, "B": 2.2}, {"A": INCONCLUSIVE, "B": INCONCLUSIVE}),
+])
+def test_claims_decided_together_by_holms_step_down(means, want):
+    from stages.findings import family_wise
+    assert family_wise(_claims_at(means), 0.95) == want
+    alone = {v.claim: v.verdict for v in _claims_at(means)(0.95) if v.claim in want}
+    # never decides what the claim alone does not
+    assert all(want[c] == INCONCLUSIVE or want[c] == alone[c] for c in want)
