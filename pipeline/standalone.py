@@ -8,7 +8,7 @@ from pathlib import Path
 from pipeline.config import Config, ConfigError, with_values
 from pipeline.fingerprint import HashCache, data_hashes, fingerprint
 from pipeline.plan import ADHOC, PARENT, VARIANT, trial_name, waves
-from pipeline.trial import Trial, evaluate_runs, json_safe, needs_parent, prepare_run_dir, train_trial
+from pipeline.trial import CKPT_CHILDREN, Trial, evaluate_runs, json_safe, needs_parent, prepare_run_dir, train_trial
 from stages.common import Paths, Report, write_json_atomic
 
 
@@ -30,7 +30,7 @@ def single_trial(cfg: Config, study: str = ADHOC) -> Trial:
     values = {"drafter.depth": d.depth}
     if d.variant == "kv_only":
         values.update({"drafter.injection": d.injection, "drafter.rope_fix": d.rope_fix})
-    if d.variant in ("hybrid", "cross_only"):
+    if d.variant in CKPT_CHILDREN:
         values["drafter.init"] = d.init
     if d.variant == "block":
         values.update({"drafter.context": d.context, "drafter.block_size": d.block_size})

@@ -19,12 +19,10 @@ from typing import Any, Callable
 
 from stages.code_hash import code_hash
 from stages.common import Paths, Report, write_json_atomic, write_text_atomic
+from stages.sections import CKPT_CHILDREN, CONTINUED
 
 RESULT_FILE = "result.json"
 FINGERPRINT_FILE = "fingerprint"
-# Variants whose init=ckpt loads the trained eagle3 drafter of the same data (DESIGN §5).
-CKPT_CHILDREN = ("hybrid", "cross_only")
-CONTINUED = "continued"
 
 
 @dataclass

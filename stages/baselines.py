@@ -14,6 +14,7 @@ import math
 from dataclasses import dataclass
 
 from stages.results import Setting, like_with_like
+from stages.sections import CKPT_CHILDREN, CONTINUED
 
 
 def same_data(a: Setting, b: Setting) -> bool:
@@ -24,7 +25,7 @@ def same_data(a: Setting, b: Setting) -> bool:
 def measured_eagle3(x: Setting, continued: bool) -> bool:
     """A measured EAGLE-3 setting (not EAGLE-3.1), continued or trained from scratch."""
     f = x.fields
-    return bool(x.n) and f.get("variant") == "eagle3" and (f.get("init") == "continued") == continued \
+    return bool(x.n) and f.get("variant") == "eagle3" and (f.get("init") == CONTINUED) == continued \
         and not f.get("fc_norm") and not f.get("norm_output")
 
 
@@ -42,12 +43,12 @@ def baseline_for(s: Setting, settings: list[Setting]) -> Setting | None:
         return block_baseline(s, settings)
     plain = [x for x in settings if measured_eagle3(x, continued=False) and same_data(s, x)]
     continued = [x for x in settings if measured_eagle3(x, continued=True) and same_data(s, x)]
-    if f.get("variant") == "eagle3" and not (f.get("init") == "continued" or f.get("fc_norm") or f.get("norm_output")):
+    if f.get("variant") == "eagle3" and not (f.get("init") == CONTINUED or f.get("fc_norm") or f.get("norm_output")):
         return None
-    if f.get("variant") in ("hybrid", "cross_only") and f.get("init") == "ckpt":
+    if f.get("variant") in CKPT_CHILDREN and f.get("init") == "ckpt":
         return continued[0] if continued else None
     parent = s.extra.get("train.parent") if isinstance(s.extra.get("train.parent"), dict) else None
-    if f.get("init") == "continued" and parent:
+    if f.get("init") == CONTINUED and parent:
         return parent_eagle3(s, parent, settings)
     return plain[0] if plain else None
 

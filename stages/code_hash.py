@@ -13,8 +13,7 @@ a serving engine): its rows carry
 purpose:
   * the data stages' own modules (prepare, sources, regenerate with its resume files and eval choice, validation):
     their outputs are hashed as data, content by content;
-  * the report's modules (report, results, findings, baselines): they read metrics and change no trial's numbers (evaluate
-    imports `findings.fmt` only to print a number);
+  * the report's modules (report, results, findings, baselines): they read metrics and change no trial's numbers;
   * pipeline/: which trials run and where their results are tracked, not what a trial computes;
   * stages/sections.py, the params sections: the resolved values they validate are hashed as the trial's config.
 It lives in stages/ (not pipeline/) because the stages write it into their rows and never import pipeline.

@@ -3,6 +3,7 @@ progress display of a stage's loops."""
 from __future__ import annotations
 
 import json
+import math
 import os
 import sys
 import tempfile
@@ -194,6 +195,11 @@ class _Task:
 def filter_text(only: dict) -> str:
     """A settings filter (KEY -> allowed values) as the command line spells it: `KEY=V1,V2 KEY2=V3`."""
     return " ".join(f"{k}={','.join(map(str, v))}" for k, v in only.items())
+
+
+def fmt(x: float | None, digits: int = 3) -> str:
+    """A number as the reports and progress lines print it; '–' where it is undefined (say, α_k with no chain)."""
+    return "–" if x is None or not math.isfinite(x) else f"{x:.{digits}f}"
 
 
 def duration(seconds: float) -> str:

@@ -22,8 +22,7 @@ import torch.nn.functional as F
 
 from stages import checkpoint as ckpt
 from stages.code_hash import code_hash
-from stages.common import Paths, Report, StageError, TargetParams, load_target_for, write_json_atomic
-from stages.findings import fmt     # '–' where α_k is undefined (no chain reached step k)
+from stages.common import Paths, Report, StageError, TargetParams, fmt, load_target_for, write_json_atomic
 from stages.sections import EvalParams  # noqa: F401 (re-exported: the stage's own section)
 
 EVAL_SPLIT = "eval"

@@ -42,7 +42,9 @@ import numpy as np
 
 from models.stats import FAILS, HOLDS, INCONCLUSIVE, decide, interval, seed_differences
 from stages.baselines import baseline_for
+from stages.common import fmt
 from stages.results import E2EGroup, E2EKind, Setting, label, like_with_like
+from stages.sections import CONTINUED
 
 MISSING = "not measured"
 CLAIMS = {
@@ -71,10 +73,6 @@ class Verdict:
     statement: str
     verdict: str
     evidence: str
-
-
-def fmt(x: float, digits: int = 3) -> str:
-    return "–" if x is None or not math.isfinite(x) else f"{x:.{digits}f}"
 
 
 def fmt_ci(lo: float, hi: float, digits: int = 3, signed: bool = False) -> str:
@@ -147,7 +145,7 @@ def _ok(settings: list[Setting] | None) -> list[Setting]:
 
 def plain_eagle3(s: Setting) -> bool:
     f = s.fields
-    return f.get("variant") == "eagle3" and f.get("init") != "continued" and not f.get("fc_norm") \
+    return f.get("variant") == "eagle3" and f.get("init") != CONTINUED and not f.get("fc_norm") \
         and not f.get("norm_output")
 
 
@@ -155,7 +153,7 @@ def continued_eagle3(s: Setting | E2EGroup) -> bool:
     """EAGLE-3 continued for a checkpoint-initialised drafter's schedule (its compute-matched control), by its
     settings: e2e rows do not name roles."""
     f = s.fields
-    return f.get("variant") == "eagle3" and f.get("init") == "continued" and not f.get("fc_norm") \
+    return f.get("variant") == "eagle3" and f.get("init") == CONTINUED and not f.get("fc_norm") \
         and not f.get("norm_output")
 
 

@@ -41,7 +41,7 @@ from stages.report_provenance import (OTHER_CODE, main_code, not_run_yet, on_oth
 from stages.report_validation import is_validation, validation_section
 from stages.results import (LOOKUP_KIND, PAPER_TREE, E2EGroup, Results, Setting, collect, label, read_rows,
                             scale_order, sort_key, variant_name)
-from stages.sections import ReportParams  # noqa: F401 (re-exported: the stage's own section)
+from stages.sections import CKPT_CHILDREN, ReportParams  # noqa: F401 (ReportParams re-exported: the stage's own section)
 
 PAPER_NUMBERS = Path(__file__).with_name("paper_numbers.yaml")
 FEW_CHAINS = 100   # an α_k on fewer chains than this (binomial sd up to 0.05) is shown as "few chains", no value
@@ -78,7 +78,7 @@ def _rope(f: dict) -> str:
 
 
 def _init(f: dict) -> str:
-    if f.get("variant") not in ("hybrid", "cross_only"):
+    if f.get("variant") not in CKPT_CHILDREN:
         return "–"
     return {"ckpt": "EAGLE-3 checkpoint", "random": "random"}.get(f.get("init"), str(f.get("init")))
 
@@ -237,7 +237,7 @@ def scale_table(settings: list[Setting], e2e: list[E2EGroup], paper: dict | None
     for fields, s, g in lines:
         prow = paper_row(paper, fields)
         rec = {"drafter": labels(fields) if labels else variant_name(fields) + (
-                   f", {fields['init']} init" if fields.get("variant") in ("hybrid", "cross_only")
+                   f", {fields['init']} init" if fields.get("variant") in CKPT_CHILDREN
                    and fields.get("init") else ""),
                "data scale": scale_cell(fields.get("scale")),
                # step-wise seeds, and how many of them were decoded when not all (the e2e columns' seeds)

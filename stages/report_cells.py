@@ -10,6 +10,7 @@ import pandas as pd
 
 from stages.findings import fmt_ci
 from stages.results import Setting
+from stages.sections import CONTINUED
 
 PAPER_LABEL = "paper (Qwen3-8B)"
 
@@ -45,7 +46,7 @@ def paper_row(paper: dict | None, fields: dict) -> dict | None:
             continue
         if any(fields.get(k) and k not in match for k in ("no_target", "fc_norm", "norm_output")):
             continue
-        if fields.get("init") == "continued" and "init" not in match:
+        if fields.get("init") == CONTINUED and "init" not in match:
             continue
         return row
     return None

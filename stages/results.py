@@ -27,6 +27,7 @@ from models.metrics import mat, retention
 from models.stats import (ConversationCounts, Draws, counts_array, draws_from_sums, interval, multinomial_weights,
                           ratio_draws, resample, seed_t_weights)
 from stages.common import Paths, StageError
+from stages.sections import CKPT_CHILDREN, CONTINUED
 
 # What makes a setting (everything but the seed): the row fields, with the defaults rows from before a field
 # existed are read with.
@@ -488,12 +489,12 @@ def variant_name(f: dict) -> str:
         name = "EAGLE-3.1" if f.get("fc_norm") and f.get("norm_output") else \
             "EAGLE-3 + fc norm" if f.get("fc_norm") else "EAGLE-3 + normed output" if f.get("norm_output") \
             else "EAGLE-3 (hidden-only)"
-        return f"{name} continued" if f.get("init") == "continued" else name
+        return f"{name} continued" if f.get("init") == CONTINUED else name
     if v == "kv_only" and f.get("no_target"):
         return ("token-context control (no target information)" if f.get("token_context")
                 else "no target information (control)")
     name = VARIANT_NAMES.get(v, str(v))
-    if v in ("hybrid", "cross_only") and (f.get("fc_norm") or f.get("norm_output")):
+    if v in CKPT_CHILDREN and (f.get("fc_norm") or f.get("norm_output")):
         name += " (EAGLE-3.1 norms)" if f.get("fc_norm") and f.get("norm_output") else " (one EAGLE-3.1 norm)"
     return name
 
@@ -510,7 +511,7 @@ def label(s: "Setting | E2EGroup", with_scale: bool | None = None) -> str:
         parts.append(str(f["injection"]).replace("_", " "))
     if v == "kv_only" and f.get("rope_fix") and not f.get("no_target"):
         parts.append("RoPE fix")
-    if v in ("hybrid", "cross_only") and f.get("init"):
+    if v in CKPT_CHILDREN and f.get("init"):
         parts.append(f"{f['init']} init")
     if v == "block":
         size = f.get("block_size")
@@ -526,7 +527,7 @@ def sort_key(fields: dict, scale_order: list[str], extra: dict | None = None) ->
     v = fields.get("variant")
     scale, depth = fields.get("scale"), fields.get("depth")
     return (VARIANT_ORDER.index(v) if v in VARIANT_ORDER else len(VARIANT_ORDER), str(v),
-            bool(fields.get("no_target")), bool(fields.get("token_context")), fields.get("init") == "continued",
+            bool(fields.get("no_target")), bool(fields.get("token_context")), fields.get("init") == CONTINUED,
             scale_order.index(scale) if scale in scale_order else len(scale_order), str(scale),
             depth if isinstance(depth, int) else 10**6, str(depth),
             *((fields.get(k) is None, str(fields.get(k))) for k in ("injection", "rope_fix", "init", "fc_norm",

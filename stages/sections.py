@@ -14,6 +14,10 @@ from pydantic import Field, field_validator
 from stages.common import Section
 
 Variant = Literal["eagle3", "kv_only", "hybrid", "cross_only", "block"]
+# The variants built on an EAGLE-3 drafter: their `init=ckpt` loads the trained eagle3 drafter of the same data
+# (DESIGN §5), and they take EAGLE-3.1's norms.
+CKPT_CHILDREN: tuple[str, ...] = ("hybrid", "cross_only")
+CONTINUED = "continued"     # eagle3 init: every tensor of the trained eagle3 parent, then a schedule of its own
 
 
 class DrafterParams(Section):

@@ -18,10 +18,8 @@ import torch
 
 from stages import checkpoint as ckpt
 from stages.common import Paths, Report, StageError, StageProgress, TargetParams, load_target_for
-from stages.sections import DrafterParams, TrainParams, Variant  # noqa: F401 (re-exported: the stage's own sections)
-
-CKPT_CHILDREN = ("hybrid", "cross_only")   # variants whose init=ckpt loads a trained eagle3 drafter
-CONTINUED = "continued"                    # eagle3 init: every tensor of the trained eagle3 parent, then a schedule
+from stages.sections import (CKPT_CHILDREN, CONTINUED, DrafterParams, TrainParams,  # noqa: F401 (re-exported:
+                             Variant)                                                # the stage's own sections)
 
 
 # -- pure helpers: schedule and data order -------------------------------------------------------------------------
