@@ -34,13 +34,14 @@ def cpu_name(cpuinfo: Path = Path("/proc/cpuinfo")) -> str:
 
 def hardware() -> str:
     """`2 CPU cores (AMD EPYC, native bf16), 23 GiB RAM, no GPU`: whether bf16 is native decides the study
-    profile's speed several times over, so it is part of the machine's name."""
+    profile's speed several times over, so it is part of the machine's name. It names what the CPU can do ("no
+    native bf16"), not the precision a run computed in (an fp32 run on such a CPU is not emulated bf16)."""
     import psutil
     import torch
 
     from stages.common import native_bf16
 
-    cpu = f"{cpu_name()}, {'native' if native_bf16('cpu') else 'emulated'} bf16"
+    cpu = f"{cpu_name()}, {'native bf16' if native_bf16('cpu') else 'no native bf16'}"
     mem = psutil.virtual_memory().total / 2**30
     gpu = torch.cuda.get_device_name(0) if torch.cuda.is_available() else "no GPU"
     return f"{psutil.cpu_count(logical=True)} CPU cores ({cpu}), {mem:.0f} GiB RAM, {gpu}"
