@@ -73,6 +73,7 @@ class Verdict:
     statement: str
     verdict: str
     evidence: str
+    one_seed: bool = False      # every difference it is decided on rests on one seed (no seed term in its interval)
 
 
 def fmt_ci(lo: float, hi: float, digits: int = 3, signed: bool = False) -> str:
@@ -126,6 +127,12 @@ def contrast(a: Setting, b: Setting, metric: str, level: float = 0.95) -> Contra
     text = (f"{name} {label(a)} {fmt(a.value(metric))} {fmt_ci(*a.ci(metric, level))} vs {label(b)} "
             f"{fmt(b.value(metric))} {fmt_ci(*b.ci(metric, level))}: {note} ({seeds})")
     return Contrast(verdict, diff, ci, text, seeds)
+
+
+def on_one_seed(*contrasts: Contrast) -> bool:
+    """Whether every one of these differences rests on one seed: a verdict decided on them says about the seed-0
+    drafters, not about retraining them."""
+    return bool(contrasts) and all(c.seeds.startswith("one seed") for c in contrasts)
 
 
 def combine(*verdicts: str) -> str:
@@ -222,6 +229,7 @@ def claim_p1(studies: dict, level: float) -> Verdict:
     else:
         uses = contrast(deepest, ctrl, "acc_0", level)
         used = [uses.verdict]
+        parts.append(uses)
         evidence += f"; {uses.text}"
     # the control with context, at the KV-only drafter's own depth: the KV path must beat a language model of
     # the same shape over the same tokens, not only a bigram-like control (where one was trained)
@@ -229,8 +237,9 @@ def claim_p1(studies: dict, level: float) -> Verdict:
     if ctx is not None:
         beats = contrast(deepest, ctx, "acc_0", level)
         used.append(beats.verdict)
+        parts.append(beats)
         evidence += f"; {beats.text}"
-    return Verdict("P1", CLAIMS["P1"], combine(ret.verdict, acc6.verdict, *used), evidence)
+    return Verdict("P1", CLAIMS["P1"], combine(ret.verdict, acc6.verdict, *used), evidence, on_one_seed(*parts))
 
 
 def claim_p2(studies: dict, level: float) -> Verdict:
@@ -266,7 +275,8 @@ def claim_p2(studies: dict, level: float) -> Verdict:
         verdicts.append(v)
         notes.append(f"jump 1→2 ({fmt(first, 3)}) minus {a}→{b} ({fmt(later, 3)}): {fmt(first - later)} "
                      f"{fmt_ci(*ci, signed=True)}")
-    return Verdict("P2", CLAIMS["P2"], combine(*verdicts), f"step MAT by depth {curve}; " + "; ".join(notes))
+    return Verdict("P2", CLAIMS["P2"], combine(*verdicts), f"step MAT by depth {curve}; " + "; ".join(notes),
+                   on_one_seed(improve))     # the jumps read the same drafters
 
 
 def claim_p3(studies: dict, level: float) -> Verdict:
@@ -277,7 +287,7 @@ def claim_p3(studies: dict, level: float) -> Verdict:
     c = contrast(eagle, deepest, "acc_0", level)
     others = "".join(f"; not decisive: {o.text}, {o.verdict}"
                      for o in (contrast(eagle, s, "acc_0", level) for s in kv if s is not deepest))
-    return Verdict("P3", CLAIMS["P3"], c.verdict, f"{name} study: {c.text}{others}")
+    return Verdict("P3", CLAIMS["P3"], c.verdict, f"{name} study: {c.text}{others}", on_one_seed(c))
 
 
 def claim_h(studies: dict, level: float) -> Verdict:
@@ -295,7 +305,7 @@ def claim_h(studies: dict, level: float) -> Verdict:
                        "needs the checkpoint-initialised hybrid and EAGLE-3 continued (its compute-matched baseline) "
                        "in the hybrid study" + extra)
     c = contrast(ckpt[0], base[0], "step_mat", level)
-    return Verdict("H", CLAIMS["H"], c.verdict, c.text + extra)
+    return Verdict("H", CLAIMS["H"], c.verdict, c.text + extra, on_one_seed(c))
 
 
 def _e2e_pick(e2e: list[E2EGroup], pred, scale) -> E2EGroup | None:
@@ -390,17 +400,17 @@ def claim_e(studies: dict, e2e: list[E2EGroup] | None, scales: list[str], ratio:
                         key=lambda s: scales.index(s) if s in scales else -1, reverse=True):
         h, e = _e2e_pick(e2e, is_hyb, scale), _e2e_pick(e2e, is_base, scale)
         if h and e:
-            found.append(_e_at_scale(studies, scale, h, e, ratio, level))
+            found.append((*_e_at_scale(studies, scale, h, e, ratio, level), h.n_seeds <= 1))
     if not found:
         return Verdict("E", CLAIMS["E"], MISSING, "needs end-to-end rows of the hybrid and EAGLE-3 continued at one "
                                                   "data scale")
-    evidence = " — ".join(text for _, text, _ in found)
-    tested = {v for v, _, gain in found if gain}
+    evidence = " — ".join(text for _, text, _, _ in found)
+    tested = {v for v, _, gain, _ in found if gain}
     if not tested:
         return Verdict("E", CLAIMS["E"], found[0][0], evidence)
     if len(tested) > 1:
         return Verdict("E", CLAIMS["E"], INCONCLUSIVE, evidence + " (the scales disagree)")
-    return Verdict("E", CLAIMS["E"], tested.pop(), evidence)
+    return Verdict("E", CLAIMS["E"], tested.pop(), evidence, all(one for _, _, gain, one in found if gain))
 
 
 def claim_b(studies: dict, e2e: list[E2EGroup] | None, level: float) -> Verdict:
@@ -445,7 +455,7 @@ def claim_b(studies: dict, e2e: list[E2EGroup] | None, level: float) -> Verdict:
         c = contrast(other, hidden_arm_of(other, hidden), "step_mat", level)
         evidence += f"; not decisive: {c.text}, {c.verdict}"
     evidence += hidden_step0(hidden_arm, studies, level)
-    return Verdict("B", CLAIMS["B"], combine(*verdicts), evidence)
+    return Verdict("B", CLAIMS["B"], combine(*verdicts), evidence, on_one_seed(step))   # τ: seed 0 decoded by design
 
 
 def decisive_kv_arm(kv: list[Setting]) -> Setting:

@@ -3,7 +3,9 @@
 A verdict is shown as its interval reads it, except:
 - in a demonstration (the report's trials trained under DEMO_FRACTION of the `decisive_steps` that decide a claim)
   every verdict is *not decided at this training length*, with what its interval would read;
-- a verdict reading a study whose plan holds trials without rows yet is marked provisional.
+- a verdict reading a study whose plan holds trials without rows yet is marked provisional;
+- a decided verdict whose every difference rests on one seed is marked *one seed*: its interval has no seed term,
+  so it speaks of the seed-0 drafters, not of retraining them (and it passes the claims-together column easily).
 Beside each verdict, the claims decided together (`findings.family_wise`, Holm's step-down): what a reader who
 takes all of the verdicts at once may rely on.
 """
@@ -13,7 +15,7 @@ import math
 
 import pandas as pd
 
-from stages.findings import CLAIM_STUDIES, MISSING, Verdict, family_wise, findings
+from stages.findings import CLAIM_STUDIES, FAILS, HOLDS, MISSING, Verdict, family_wise, findings
 from stages.report_cells import md_table
 from stages.report_provenance import PROVISIONAL, provisional_note, waiting_studies
 from stages.results import E2EGroup, Setting
@@ -22,6 +24,7 @@ from stages.sections import ReportParams
 NOT_DECIDED = "not decided at this training length"
 DEMO_FRACTION = 0.5     # trials trained less than this share of `decisive_steps` make every verdict a demonstration
 TOGETHER = "with the other claims (Holm)"
+ONE_SEED = "one seed"   # a decided verdict whose every difference rests on one seed: it speaks of seed 0's drafters
 
 
 def trained_steps(studies: dict[str, list[Setting] | None]) -> float:
@@ -74,12 +77,13 @@ def findings_section(params: ReportParams, alone: list[Verdict], together: dict[
                "says what its interval would read, marked *not decided at this training length*. The decisions are "
                "in the study profile's report.", ""]
 
-    def shown(verdict: str) -> str:
-        return f"**{NOT_DECIDED}** (interval: {verdict})" if demo and verdict != MISSING else f"**{verdict}**"
+    def shown(verdict: str, one_seed: bool) -> str:
+        text = f"**{NOT_DECIDED}** (interval: {verdict})" if demo and verdict != MISSING else f"**{verdict}**"
+        return f"{text} ({ONE_SEED})" if one_seed and verdict in (HOLDS, FAILS) else text
     waiting = waiting_studies({v.claim: CLAIM_STUDIES.get(v.claim, ()) for v in alone if v.verdict != MISSING},
                               pending)
     rows = [[v.claim, v.statement,
-             f"{shown(v.verdict)} ({PROVISIONAL})" if waiting.get(v.claim) else shown(v.verdict),
-             shown(together[v.claim]) if v.claim in together else "–", v.evidence] for v in alone]
+             shown(v.verdict, v.one_seed) + (f" ({PROVISIONAL})" if waiting.get(v.claim) else ""),
+             shown(together[v.claim], v.one_seed) if v.claim in together else "–", v.evidence] for v in alone]
     md.append(md_table(pd.DataFrame(rows, columns=["claim", "statement", "verdict", TOGETHER, "evidence"])))
     return md + ["", *([provisional_note(waiting, pending), ""] if any(waiting.values()) else [])]
