@@ -47,6 +47,7 @@ from stages.results import E2EGroup, E2EKind, Setting, label, like_with_like
 from stages.sections import CONTINUED
 
 MISSING = "not measured"
+ONE_SEED = "one seed"   # how a difference resting on one seed, and a verdict decided on such alone, say so
 CLAIMS = {
     "P1": "KV-only decays more gracefully than hidden-only: the deepest KV-only drafter above EAGLE-3 on step "
           "retention acc_6/acc_0 and on acc_6, and above the no-target controls at step 0 (without context, and "
@@ -105,7 +106,7 @@ def seed_note(a: Setting, b: Setting, metric: str) -> str:
     """What the difference's seeds are: one seed, the per-seed differences, or unpaired seed counts."""
     if a.n <= 1 and b.n <= 1:
         labels = a.seed_labels or b.seed_labels
-        return f"one seed ({labels[0]})" if labels else "one seed"
+        return f"{ONE_SEED} ({labels[0]})" if labels else ONE_SEED
     diffs = seed_differences(a.seed_point(metric), b.seed_point(metric))
     if a.seed_labels and a.seed_labels == b.seed_labels and diffs:
         return f"{len(diffs)} paired seeds, per seed " + " / ".join(f"{d:+.3f}" for d in diffs.values())
@@ -132,7 +133,7 @@ def contrast(a: Setting, b: Setting, metric: str, level: float = 0.95) -> Contra
 def on_one_seed(*contrasts: Contrast) -> bool:
     """Whether every one of these differences rests on one seed: a verdict decided on them says about the seed-0
     drafters, not about retraining them."""
-    return bool(contrasts) and all(c.seeds.startswith("one seed") for c in contrasts)
+    return bool(contrasts) and all(c.seeds.startswith(ONE_SEED) for c in contrasts)
 
 
 def combine(*verdicts: str) -> str:
@@ -519,5 +520,5 @@ def family_wise(verdicts_at: Callable[[float], list[Verdict]], level: float = 0.
     return together
 
 
-__all__ = ["CLAIMS", "Contrast", "E2EKind", "FAILS", "HOLDS", "INCONCLUSIVE", "MISSING", "Verdict", "combine",
-           "contrast", "family_wise", "findings", "fmt", "fmt_ci"]
+__all__ = ["CLAIMS", "Contrast", "E2EKind", "FAILS", "HOLDS", "INCONCLUSIVE", "MISSING", "ONE_SEED", "Verdict",
+           "combine", "contrast", "family_wise", "findings", "fmt", "fmt_ci"]

@@ -15,7 +15,7 @@ import math
 
 import pandas as pd
 
-from stages.findings import CLAIM_STUDIES, FAILS, HOLDS, MISSING, Verdict, family_wise, findings
+from stages.findings import CLAIM_STUDIES, FAILS, HOLDS, MISSING, ONE_SEED, Verdict, family_wise, findings
 from stages.report_cells import md_table
 from stages.report_provenance import PROVISIONAL, provisional_note, waiting_studies
 from stages.results import E2EGroup, Setting
@@ -24,7 +24,6 @@ from stages.sections import ReportParams
 NOT_DECIDED = "not decided at this training length"
 DEMO_FRACTION = 0.5     # trials trained less than this share of `decisive_steps` make every verdict a demonstration
 TOGETHER = "with the other claims (Holm)"
-ONE_SEED = "one seed"   # a decided verdict whose every difference rests on one seed: it speaks of seed 0's drafters
 
 
 def trained_steps(studies: dict[str, list[Setting] | None]) -> float:
