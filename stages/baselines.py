@@ -13,13 +13,13 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from stages.results import Setting, like_with_like
+from stages.results import Setting, like_with_like, same_conversations
 from stages.sections import CKPT_CHILDREN, CONTINUED
 
 
 def same_data(a: Setting, b: Setting) -> bool:
-    """Trained on the same data scale with the same other swept settings."""
-    return a.fields.get("scale") == b.fields.get("scale") and a.extra == b.extra
+    """Trained on the same data scale with the same other swept settings, evaluated on the same conversations."""
+    return a.fields.get("scale") == b.fields.get("scale") and a.extra == b.extra and same_conversations(a, b)
 
 
 def measured_eagle3(x: Setting, continued: bool) -> bool:
@@ -35,7 +35,7 @@ def baseline_for(s: Setting, settings: list[Setting]) -> Setting | None:
     drafter reading the KV (a block drafter runs free: its step accuracy is never compared with a teacher-forced
     one), the EAGLE-3 trained from scratch for the rest."""
     if s.baselines:    # the planner named it: the setting holding those trials
-        named = [x for x in settings if x.n and s.baselines & set(x.trials)]
+        named = [x for x in settings if x.n and s.baselines & set(x.trials) and same_conversations(s, x)]
         return named[0] if named else None
     # rows from before rows named their baseline: the same rules, read from the settings
     f = s.fields
@@ -72,7 +72,7 @@ def parent_eagle3(s: Setting, parent: dict, settings: list[Setting]) -> Setting 
     scale = parent.get("scale", s.fields.get("scale"))
     own = {f"train.{k}": v for k, v in parent.items() if k != "scale"}
     found = [x for x in settings if measured_eagle3(x, continued=False) and x.fields.get("scale") == scale
-             and x.extra in ({}, own)]
+             and x.extra in ({}, own) and same_conversations(s, x)]
     return found[0] if found else None
 
 

@@ -43,7 +43,7 @@ import numpy as np
 from models.stats import FAILS, HOLDS, INCONCLUSIVE, decide, interval, seed_differences
 from stages.baselines import baseline_for
 from stages.common import fmt
-from stages.results import E2EGroup, E2EKind, Setting, label, like_with_like
+from stages.results import E2EGroup, E2EKind, Setting, label, like_with_like, same_conversations
 from stages.sections import CONTINUED
 
 MISSING = "not measured"
@@ -114,17 +114,23 @@ def seed_note(a: Setting, b: Setting, metric: str) -> str:
 
 
 def contrast(a: Setting, b: Setting, metric: str, level: float = 0.95) -> Contrast:
+    """a − b on `metric`, like with like; not measured where the two were evaluated on different conversations
+    (another data split: `same_conversations`)."""
     a, b = like_with_like(a, b)
+    seeds = seed_note(a, b, metric)
+    name = NAMES.get(metric, metric)
+    if not same_conversations(a, b):
+        return Contrast(MISSING, math.nan, (math.nan, math.nan),
+                        f"{name} {label(a)} vs {label(b)}: not compared, evaluated on different held-out "
+                        f"conversations ({len(a.counts.ids)} vs {len(b.counts.ids)}: another data split)", seeds)
     da, db = a.resampled(metric), b.resampled(metric)
     diff = a.value(metric) - b.value(metric)
-    seeds = seed_note(a, b, metric)
     if da is None or db is None:
         verdict, ci = INCONCLUSIVE, (math.nan, math.nan)
         note = "no interval: the rows lack per-conversation counts"
     else:
         verdict, ci = decide(da - db, level)
         note = f"difference {fmt(diff)} {fmt_ci(*ci, signed=True)}"
-    name = NAMES.get(metric, metric)
     text = (f"{name} {label(a)} {fmt(a.value(metric))} {fmt_ci(*a.ci(metric, level))} vs {label(b)} "
             f"{fmt(b.value(metric))} {fmt_ci(*b.ci(metric, level))}: {note} ({seeds})")
     return Contrast(verdict, diff, ci, text, seeds)
@@ -203,13 +209,14 @@ def kv_and_eagle(studies: dict[str, list[Setting] | None]) -> tuple[str | None, 
     return None, [], None
 
 
-def control(studies: dict[str, list[Setting] | None], which=no_target, depth: int | None = None) -> Setting | None:
-    """A control of kind `which` (the no-target control, or `token_control`), at `depth` when given."""
-    for name in ("injection", "depth", *studies):
-        found = [s for s in _ok(studies.get(name)) if which(s) and (depth is None or _depth(s) == depth)]
-        if found:
-            return found[0]
-    return None
+def control(studies: dict[str, list[Setting] | None], which=no_target, depth: int | None = None,
+            like: Setting | None = None) -> Setting | None:
+    """A control of kind `which` (the no-target control, or `token_control`), at `depth` when given, evaluated
+    on the conversations of `like` where one such is (else any: the comparison then says why it is not made)."""
+    found = [s for name in dict.fromkeys(("injection", "depth", *studies)) for s in _ok(studies.get(name))
+             if which(s) and (depth is None or _depth(s) == depth)]
+    same = [s for s in found if like is None or same_conversations(like, s)]
+    return (same or found or [None])[0]
 
 
 # -- the claims ------------------------------------------------------------------------------------------------
@@ -223,7 +230,7 @@ def claim_p1(studies: dict, level: float) -> Verdict:
     acc6 = contrast(deepest, eagle, "acc_6", level)
     parts = [ret, acc6]
     evidence = f"{name} study: {ret.text}; {acc6.text}"
-    ctrl = control(studies)
+    ctrl = control(studies, like=deepest)
     if ctrl is None:
         used = [MISSING]
         evidence += "; no no-target control trial (kv_only with no_target) to show the KV path is used"
@@ -234,7 +241,7 @@ def claim_p1(studies: dict, level: float) -> Verdict:
         evidence += f"; {uses.text}"
     # the control with context, at the KV-only drafter's own depth: the KV path must beat a language model of
     # the same shape over the same tokens, not only a bigram-like control (where one was trained)
-    ctx = control(studies, token_control, _depth(deepest))
+    ctx = control(studies, token_control, _depth(deepest), like=deepest)
     if ctx is not None:
         beats = contrast(deepest, ctx, "acc_0", level)
         used.append(beats.verdict)
@@ -347,6 +354,8 @@ def _e_at_scale(studies: dict, scale: Any, h: E2EGroup, e: E2EGroup, ratio: floa
     if "tuned" in h.kinds and "tuned" in e.kinds:
         evidence += (f"; speedup at the tuned tree {fmt(h.kinds['tuned'].point['speedup'], 2)}x vs "
                      f"{fmt(e.kinds['tuned'].point['speedup'], 2)}x")
+    if step.verdict == MISSING:
+        return MISSING, f"scale {scale}: {step.text}", False
     if step.verdict != HOLDS:
         why = "no clear step-wise gain to shrink" if step.verdict == INCONCLUSIVE else "no step-wise gain"
         return step.verdict, f"{evidence} ({why})", False
@@ -478,13 +487,14 @@ def hidden_step0(hidden: Setting, studies: dict, level: float) -> str:
     has all of the control's information and the target's) and EAGLE-3 (the same information, read autoregressively;
     at step 0 neither drafts from its own tokens, so the two step accuracies are one quantity)."""
     out = []
-    ctrl = control(studies, no_target)
+    ctrl = control(studies, no_target, like=hidden)
     eagle = next((s for s in _ok(studies.get("block")) if plain_eagle3(s)), None) or kv_and_eagle(studies)[2]
     for other, what in ((ctrl, "the no-target control"), (eagle, "EAGLE-3")):
         if other is not None:
             c = contrast(hidden, other, "acc_0", level)
             diff = f"{c.diff:+.3f}" if math.isfinite(c.diff) else "–"
-            out.append(f"{what} {fmt(other.value('acc_0'))}: {diff} {fmt_ci(*c.ci, signed=True)}")
+            out.append(f"{what}: not compared (other conversations)" if c.verdict == MISSING else
+                       f"{what} {fmt(other.value('acc_0'))}: {diff} {fmt_ci(*c.ci, signed=True)}")
     return f"; step 0 of the hidden block arm {fmt(hidden.value('acc_0'))} against " + ", ".join(out) if out else ""
 
 

@@ -181,6 +181,14 @@ class Setting:
         return sub
 
 
+def same_conversations(a: Setting, b: Setting) -> bool:
+    """Evaluated on the same held-out conversations, as every comparison needs: settings of another data split
+    (say, a study not yet rerun on a new split beside one that was) are not compared. Rows without per-conversation
+    counts cannot tell, and are taken as the same."""
+    ia, ib = (set(s.counts.ids) if s.counts is not None and s.counts.ids else None for s in (a, b))
+    return ia is None or ib is None or ia == ib
+
+
 def like_with_like(a: Setting, b: Setting) -> tuple[Setting, Setting]:
     """A one-seed setting against a several-seed one is compared with the other's same seed, when it ran it."""
     la, lb = a.seed_labels, b.seed_labels

@@ -652,3 +652,25 @@ def test_a_bounded_metrics_interval_stays_in_its_range_and_a_difference_is_never
     assert eagle.ci("acc_0")[0] == 0.0 and eagle.ci("step_mat")[0] >= 1.0
     from models.stats import interval
     assert interval(eagle.resampled("acc_0"), 0.95)[0] < 0        # what the seed term alone gives
+
+
+def test_settings_of_another_data_split_are_never_compared(tmp_path):
+    """While the studies are rerun one by one on a new split, a study's rows are never compared with another's of
+    the old one: here the injection study (which alone holds P1's no-target control) was evaluated on other
+    conversations, so P1 is not measured and says why, and the depth study's table names no baseline from it."""
+    def other_split(study, rows):
+        if study == "injection":
+            for r in rows:
+                if r.get("per_conversation"):       # a failed trial has none
+                    r["per_conversation"] = {**r["per_conversation"],
+                                             "ids": [f"old-{i}" for i in r["per_conversation"]["ids"]]}
+        return rows
+    paths = project(tmp_path, edit=other_split)
+    got = verdicts(paths)
+    assert got["P1"] == MISSING and got["P3"] == HOLDS      # P3 reads the depth study alone
+    run(FAST, CONTEXT, paths, lambda m: None)
+    text = (paths.reports / "README.md").read_text()
+    p1 = table_row(section(text, "Findings"), "P1")
+    assert "not compared, evaluated on different held-out conversations (120 vs 120: another data split)" in p1[4], p1
+    # within a study every setting is compared as before: injection's drafters against injection's EAGLE-3
+    assert "EAGLE-3 (hidden-only) (seed 0): -0.603 [" in section(text, "Injection study")
