@@ -43,7 +43,7 @@ import numpy as np
 from models.stats import FAILS, HOLDS, INCONCLUSIVE, decide, interval, seed_differences
 from stages.baselines import baseline_for
 from stages.common import fmt
-from stages.results import E2EGroup, E2EKind, Setting, label, like_with_like, same_conversations
+from stages.results import E2EGroup, E2EKind, Setting, label, like_with_like, same_conversations, same_prompts
 from stages.sections import CONTINUED
 
 MISSING = "not measured"
@@ -335,6 +335,8 @@ def _e_at_scale(studies: dict, scale: Any, h: E2EGroup, e: E2EGroup, ratio: floa
     if kind not in h.kinds or kind not in e.kinds:
         return MISSING, f"scale {scale}: no τ on a common tree for the hybrid and EAGLE-3 continued", False
     kh, ke = h.kinds[kind], e.kinds[kind]
+    if not same_prompts(kh, ke):
+        return MISSING, f"scale {scale}: the hybrid and EAGLE-3 continued were decoded on different prompts", False
     hs = [s for s in _ok(studies.get("scale")) if s.fields.get("variant") == "hybrid"
           and s.fields.get("init") in ("ckpt", None) and s.fields.get("scale") == scale]
     es = [s for s in _ok(studies.get("scale")) if continued_eagle3(s) and s.fields.get("scale") == scale]
@@ -447,9 +449,10 @@ def claim_b(studies: dict, e2e: list[E2EGroup] | None, level: float) -> Verdict:
     else:
         # one tree shared by both (the paper's): trees tuned per drafter would compare two settings
         kind = "paper" if "paper" in gk.kinds and "paper" in gh.kinds else None
-        if kind is None:
+        if kind is None or not same_prompts(gk.kinds[kind], gh.kinds[kind]):
             verdicts.append(MISSING)
-            evidence += "; no τ at the paper's tree for both"
+            evidence += ("; no τ at the paper's tree for both" if kind is None else
+                         "; τ not compared: the arms were decoded on different prompts")
         else:
             a, b = gk.kinds[kind], gh.kinds[kind]
             if a.tau is None or b.tau is None:

@@ -326,10 +326,16 @@ class E2EKind:
     speedup: np.ndarray | None = None
     tau_prompts: np.ndarray | None = None      # τ draws over prompts alone (seeds pooled, no seed term)
     prompts: int = 0
+    prompt_ids: tuple[str, ...] = ()           # the prompts decoded (empty: rows without per-prompt data)
 
     def ci(self, name: str, level: float = 0.95) -> tuple[float, float]:
         d = getattr(self, name, None) if name in ("tau", "speedup") else None
         return (math.nan, math.nan) if d is None else within_range(name, interval(d, level))
+
+
+def same_prompts(a: E2EKind, b: E2EKind) -> bool:
+    """Decoded on the same prompts (`same_conversations`' rule for τ and speedup)."""
+    return not a.prompt_ids or not b.prompt_ids or set(a.prompt_ids) == set(b.prompt_ids)
 
 
 @dataclass
@@ -379,7 +385,7 @@ def _e2e_kind(rows: list[dict], resampler: Resampler) -> E2EKind:
     sw = resampler.weights(tuple(sorted(seeds)), "seeds") if len(rows) > 1 else np.ones((w.shape[0], 1))
     kind.tau = ratio_draws(a["accepted"], a["rounds"], w, sw)
     kind.tau_prompts = ratio_draws(a["accepted"].sum(0), a["rounds"].sum(0), w)
-    kind.prompts = len(ids[0])
+    kind.prompts, kind.prompt_ids = len(ids[0]), ids[0]
     kind.point["tau"] = float(a["accepted"].sum() / a["rounds"].sum())
     if "tokens" in a:
         rate = ratio_draws(a["tokens"], a["seconds"], w, sw)

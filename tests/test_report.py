@@ -674,3 +674,20 @@ def test_settings_of_another_data_split_are_never_compared(tmp_path):
     assert "not compared, evaluated on different held-out conversations (120 vs 120: another data split)" in p1[4], p1
     # within a study every setting is compared as before: injection's drafters against injection's EAGLE-3
     assert "EAGLE-3 (hidden-only) (seed 0): -0.603 [" in section(text, "Injection study")
+
+
+def test_drafters_decoded_on_other_prompts_are_not_compared_end_to_end(tmp_path):
+    """τ follows the same rule: the hybrid decoded on other prompts than EAGLE-3 continued leaves E not measured,
+    saying why."""
+    def other_prompts(study, rows):
+        if study == "e2e":
+            for r in rows:
+                if r["trial"].startswith("hybrid"):
+                    others = [f"p{i}" for i in range(len(r["per_prompt"]["rounds"]))]
+                    r["per_prompt"] = {**r["per_prompt"], "ids": others}
+        return rows
+    paths = project(tmp_path, edit=other_prompts)
+    assert verdicts(paths)["E"] == MISSING
+    run(FAST, CONTEXT, paths, lambda m: None)
+    e = table_row(section((paths.reports / "README.md").read_text(), "Findings"), "E")
+    assert "the hybrid and EAGLE-3 continued were decoded on different prompts" in e[4], e
