@@ -53,7 +53,9 @@ def verdicts(params: ReportParams, studies: dict, e2e: list[E2EGroup] | None,
 def _intro(pct: int, together: dict[str, str]) -> list[str]:
     return ["## Findings", "",
             f"A claim *holds* or *does not hold* only when the {pct}% interval of its difference excludes 0; "
-            "otherwise it is *inconclusive* (the interval is in the evidence); *not measured*: no data. Drafters "
+            "otherwise it is *inconclusive* (the interval is in the evidence); *not measured*: no data (or only "
+            "data evaluated on other conversations); *one seed*: decided on one seed in every difference it reads, "
+            "so about those seed-0 drafters alone (its interval has no seed term). Drafters "
             "initialised from a trained EAGLE-3 are compared with EAGLE-3 continued for the same schedule "
             "(compute-matched), never with the EAGLE-3 they started from. Each verdict holds its level alone; "
             f"*{TOGETHER}* decides the {len(together)} measured claims together, so that the chance that any of "
