@@ -12,33 +12,37 @@ from pipeline.config import Config
 from pipeline.cost import replay
 from pipeline.parts import check_parts, decodes_any
 from pipeline.plan import plan
-from pipeline.trial import Trial
-from stages.train import DrafterParams
+from pipeline.trial import Trial, base_row
+from stages.evaluate import BLOCK_FIELDS, SETTING_FIELDS
+from stages.results import SETTING_KEYS, setting_columns
 
-# the row fields that tell one drafter setting from another (a row written before a field existed lacks it)
-SETTING = ("variant", "depth", "injection", "rope_fix", "init", "context", "no_target", "token_context", "fc_norm",
-           "norm_output")
 WHOLE = "(whole)"   # the one part of a study that names none
-_DEFAULTS = DrafterParams().model_dump()
+_NO_TARGET = ("no_target", "token_context")
+
+
+def _row_of(t: Trial) -> dict:
+    """The setting columns of the row the trial's evaluation will write (`base_row`, and the drafter options
+    `stages.evaluate.row_for` adds: each option when on, a block drafter's own fields), read as the report reads
+    every row (`stages.results.setting_columns`): a column a row lacks holds its default on both sides."""
+    d = t.config.drafter
+    return setting_columns({**base_row(t), **{k: True for k in SETTING_FIELDS if getattr(d, k)},
+                            **({k: getattr(d, k) for k in BLOCK_FIELDS} if d.variant == "block" else {})})
 
 
 def setting_of(t: Trial) -> dict:
-    """The row fields of the trial's setting, and under `values` its swept settings beyond them (say train.epochs
-    and train.parent), which a row records among its own `values`."""
-    d = t.config.drafter
-    extra = {k: v for k, v in t.values.items()
-             if k.split(".")[-1] not in (*SETTING, "variant", "scale", "seed")}
-    return {**{k: getattr(d, k) for k in SETTING}, "scale": t.config.train.scale, "seed": t.config.train.seed,
-            **({"values": extra} if extra else {})}
+    """The setting columns of the trial's row, its seed, and under `values` its swept settings beyond them (say
+    train.epochs and train.parent), which a row records among its own `values`."""
+    extra = {k: v for k, v in t.values.items() if k.split(".")[-1] not in (*SETTING_KEYS, "seed")}
+    return {**_row_of(t), "seed": t.config.train.seed, **({"values": extra} if extra else {})}
 
 
 def row_matches(row: dict, want: dict) -> bool:
-    """A row of the trial's setting; a field the row lacks (written before the field existed) held its default."""
+    """A row of the trial's setting (`setting_of`): the same setting columns and seed, and the trial's swept values
+    beyond them among the row's `values`."""
     values = row.get("values") if isinstance(row.get("values"), dict) else {}
     if any(values.get(k) != v for k, v in want.get("values", {}).items()):
         return False
-    return all(row.get(k) == v or (row.get(k) is None and _DEFAULTS.get(k, object()) == v)
-               for k, v in want.items() if k != "values")
+    return {**setting_columns(row), "seed": row.get("seed")} == {k: v for k, v in want.items() if k != "values"}
 
 
 def measured_seconds(trials: list[Trial], rows: list[dict]) -> dict[str, float]:
@@ -53,8 +57,9 @@ def measured_seconds(trials: list[Trial], rows: list[dict]) -> dict[str, float]:
     return took
 
 
-def _drafter_setting(row: dict) -> tuple:
-    return tuple(row.get(k) if row.get(k) is not None else _DEFAULTS.get(k) for k in SETTING)
+def _drafter_setting(columns: dict) -> tuple:
+    """A drafter's setting at any scale: its setting columns but the scale."""
+    return tuple(columns[k] for k in SETTING_KEYS if k != "scale")
 
 
 def _steps_per_epoch(cfg: Config, rows: list[dict]) -> dict[str, float]:
@@ -78,7 +83,7 @@ def _steps_per_epoch(cfg: Config, rows: list[dict]) -> dict[str, float]:
 def _with_target(want: dict) -> tuple:
     """A no-target control's setting read as the drafter of its shape that reads the target: a control without rows
     of its own is paced like it (same layers and attention widths; it attends to its own keys, not the target's)."""
-    return tuple(False if k in ("no_target", "token_context") else want[k] for k in SETTING)
+    return _drafter_setting({**want, **{k: False for k in _NO_TARGET}})
 
 
 def estimated_seconds(trials: list[Trial], rows: list[dict], cfg: Config) -> dict[str, float]:
@@ -92,11 +97,11 @@ def estimated_seconds(trials: list[Trial], rows: list[dict], cfg: Config) -> dic
     pace: dict[tuple, list[float]] = {}
     for r in rows:
         if isinstance(r.get("wall_s"), (int, float)) and isinstance(r.get("train_steps"), int) and r["train_steps"]:
-            pace.setdefault(_drafter_setting(r), []).append(r["wall_s"] / r["train_steps"])
+            pace.setdefault(_drafter_setting(setting_columns(r)), []).append(r["wall_s"] / r["train_steps"])
     out = {}
     for t in trials:
         tp, want = t.config.train, setting_of(t)
-        s_per_step = pace.get(tuple(want[k] for k in SETTING)) or pace.get(_with_target(want))
+        s_per_step = pace.get(_drafter_setting(want)) or pace.get(_with_target(want))
         steps = tp.max_steps or (math.ceil(tp.epochs * per_epoch[tp.scale]) if tp.scale in per_epoch else None)
         if s_per_step and steps:
             out[t.name] = steps * sum(s_per_step) / len(s_per_step)

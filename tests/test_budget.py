@@ -1,5 +1,5 @@
 """A study part's budget from its trials' measured rows: the rows of each trial's setting found wherever they ran
-(rows written before a field existed match its default), replayed as one sweep."""
+(its setting read as the report reads a row: a field a row lacks holds its default), replayed as one sweep."""
 import json
 
 from pipeline.budget import replayed_parts, row_matches
@@ -7,16 +7,29 @@ from pipeline.config import load_config
 
 
 def row(variant, seed=0, wall=None, **fields):
+    """A stepwise row as evaluate writes it (a block drafter's own fields with it)."""
+    block = {"block_size": fields.pop("block_size", 8)} if variant == "block" else {}
     return {"variant": variant, "depth": fields.pop("depth", 1), "injection": "linear", "rope_fix": False,
-            "init": fields.pop("init", "ckpt"), "scale": "small", "seed": seed, "wall_s": wall, **fields}
+            "init": fields.pop("init", "ckpt"), "scale": "small", "seed": seed, "wall_s": wall, **block, **fields}
 
 
-def test_rows_lacking_a_newer_field_match_its_default_only():
-    old = row("eagle3")   # no fc_norm, norm_output, context, no_target: written before they existed
-    want = {"variant": "eagle3", "depth": 1, "init": "ckpt", "fc_norm": False, "context": "hidden", "seed": 0}
-    assert row_matches(old, want)
-    assert not row_matches(old, {**want, "fc_norm": True})
-    assert not row_matches(old, {**want, "seed": 1})
+def test_a_trial_matches_the_rows_of_its_setting_as_the_report_reads_them():
+    """A row written before fc_norm, norm_output and no_target existed lacks them: it is a row of the plain
+    EAGLE-3 trial, not of EAGLE-3.1 (both norms on), nor of another seed; a block row of another block size or
+    context is not the block trial's."""
+    from pipeline.budget import setting_of
+    from pipeline.plan import plan
+
+    trials = {t.name: t for t in plan(load_config("smoke"), study="block")}
+    old = row("eagle3")
+    assert row_matches(old, setting_of(trials["eagle3"]))
+    assert not row_matches(old, setting_of(trials["eagle3.1"]))
+    assert row_matches({**old, "fc_norm": True, "norm_output": True}, setting_of(trials["eagle3.1"]))
+    assert not row_matches({**old, "seed": 1}, setting_of(trials["eagle3"]))
+    hidden = setting_of(trials["block-hidden"])
+    assert row_matches(row("block", context="hidden"), hidden)
+    assert not row_matches(row("block", context="kv"), hidden)
+    assert not row_matches(row("block", context="hidden", block_size=16), hidden)
 
 
 def test_a_trial_swept_beyond_the_setting_fields_matches_rows_of_those_values_only():
