@@ -10,13 +10,12 @@ from pathlib import Path
 
 from pipeline.config import Config
 from pipeline.cost import replay
-from pipeline.parts import check_parts, decodes_any
+from pipeline.parts import WHOLE, check_parts, decodes_any
 from pipeline.plan import plan
 from pipeline.trial import Trial, base_row
 from stages.evaluate import BLOCK_FIELDS, SETTING_FIELDS
 from stages.results import SETTING_KEYS, setting_columns
 
-WHOLE = "(whole)"   # the one part of a study that names none
 _NO_TARGET = ("no_target", "token_context")
 
 

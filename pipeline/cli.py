@@ -179,9 +179,11 @@ def e2e(overrides: Optional[list[str]] = OverridesArg, profile: Optional[str] = 
             _fail(f"{what}: no trained drafter of "
                   f"{'study ' + study if study else 'the studies marked e2e'} has these settings")
         studies.update(Path(d).parent.name for d in run_dirs)
+        # decoding some drafters (a study, a part) keeps the rows of the others decoded before in this workspace
+        keep = _rows_of_others(paths.e2e_metrics, run_dirs) if study is not None or wanted else []
         with stage_run(cfg, "e2e", paths) as report:
-            rows = stage.run(cfg.e2e, run_dirs, paths, report, target=cfg.target)
-        write_e2e_summary(paths, rows)
+            rows = stage.run(cfg.e2e, run_dirs, paths, report, target=cfg.target, keep=keep)
+        write_e2e_summary(paths, [*keep, *rows])
         _print_e2e(rows)
     studies: set[str] = set()
     wanted: dict = {}
@@ -192,6 +194,19 @@ def e2e(overrides: Optional[list[str]] = OverridesArg, profile: Optional[str] = 
         from stages.report_provenance import study_key
         return study_key("e2e", "+".join(sorted(studies)), wanted) if studies else "e2e"
     _guarded(body, timed_as)
+
+
+def _rows_of_others(path: Path, run_dirs: list) -> list[dict]:
+    """The end-to-end rows in `path` of drafters other than those of `run_dirs` (by study and trial name)."""
+    import json
+
+    try:
+        rows = json.loads(path.read_text()) if path.is_file() else []
+    except json.JSONDecodeError as e:
+        raise ConfigError(f"{path}: not valid JSON ({e.msg}); move it aside to decode anew") from None
+    now = {(Path(d).parent.name, Path(d).name) for d in run_dirs}
+    return [r for r in rows if isinstance(r, dict) and (r.get("study"), r.get("trial")) not in now] \
+        if isinstance(rows, list) else []
 
 
 def _print_e2e(rows: list[dict]) -> None:
@@ -326,6 +341,7 @@ def sweep(overrides: Optional[list[str]] = OverridesArg, profile: Optional[str] 
         trials = plan(cfg, axes, study, rows_of=finished_rows_in(paths))
         parts = {} if axes else check_parts(trials, cfg, study)
         wanted.update(_part_or_only(cfg, study, part, only))
+        whole = trials
         if wanted:
             trials = plan_part(trials, wanted)
         for t in trials:
@@ -338,7 +354,7 @@ def sweep(overrides: Optional[list[str]] = OverridesArg, profile: Optional[str] 
             return UNTIMED
         check_chosen(trials, cfg)
         check_hardware(cfg)
-        result = run_sweep(trials, paths, parts=parts)
+        result = run_sweep(trials, paths, parts=parts, study_trials=whole if wanted else None)
         write_curves(paths, trials[0].study if trials else (study or "adhoc"))
         if result.failed:
             _fail(f"{result.failed} of {len(trials)} trials failed: {', '.join(result.failed_names)}")
@@ -364,27 +380,31 @@ def _part_or_only(cfg: Config, study: Optional[str], part: Optional[str], only: 
     return parse_overrides(only or [])
 
 
-def _repro_part(cfg: Config, profile: str, spec: str) -> int:
-    """`kvshot repro --part STUDY/PART`: check the part against the study's plan, then run it in the workspace."""
+def _repro_part(cfg: Config, profile: str, study: str, part: str) -> int:
+    """One part of `kvshot repro --part`: check it against the study's plan, then run it in the workspace unless
+    it is done there (`pipeline.dvc_workspace.done_part`: its recorded time in one go is kept)."""
     from pipeline.config import ROOT
-    from pipeline.dvc_workspace import repro_part, workspace
-    from pipeline.parts import check_parts, decodes_any, part_filter, plan_part
+    from pipeline.dvc_workspace import done_part, repro_part, workspace
+    from pipeline.parts import WHOLE, check_parts, decodes_any, part_filter, plan_part
     from pipeline.plan import plan
     from pipeline.sweep import check_chosen, finished_rows_in
     from stages.common import Paths
 
-    study, _, part = spec.partition("/")
-    if study not in cfg.studies or not part:
-        raise ConfigError(f"--part {spec!r}: expected STUDY/PART with a study of this profile "
-                          f"({', '.join(sorted(cfg.studies)) or 'none'})")
     ws = Paths(ROOT if profile == "default" else workspace(profile))
-    trials = plan(cfg, {}, study, rows_of=finished_rows_in(ws))
+    rows_of = finished_rows_in(ws)
+    trials = plan(cfg, {}, study, rows_of=rows_of)
     check_parts(trials, cfg, study)
-    mine = plan_part(trials, part_filter(cfg, study, part))
+    mine = trials if part == WHOLE else plan_part(trials, part_filter(cfg, study, part))
     check_chosen(mine, cfg)                  # before the data stages: a value still waits for its validation
+    decode = decodes_any(cfg, study, mine)
+    done = done_part(ws.root, study, part, mine, rows_of(mine) if ws.root.is_dir() else {}, decode)
+    if done is not None:
+        console.print(f"part {study}/{part}: done in this workspace ({len(mine)} trials finished"
+                      f"{', decoded' if decode else ''}; {done.get('wall_s', 0) / 60:.1f} min in one go on "
+                      f"{done.get('date', '?')}); nothing to run", highlight=False, soft_wrap=True)
+        return 0
     check_hardware(cfg)
-    return repro_part(cfg, profile, study, part, decodes_any(cfg, study, mine),
-                      echo=lambda line: console.print(line, highlight=False))
+    return repro_part(cfg, profile, study, part, decode, echo=lambda line: console.print(line, highlight=False))
 
 
 def write_curves(paths, study: str) -> None:
@@ -427,9 +447,11 @@ def repro(profile: Optional[str] = ProfileOpt,
           force: bool = typer.Option(False, "--force", help="Re-run every stage even if up to date."),
           stage: Optional[list[str]] = typer.Option(None, "--stage", help="Only this DVC stage (e.g. study@depth) "
                                                     "and what it depends on; repeatable."),
-          part: Optional[str] = typer.Option(None, "--part", help="Only this part of a study, STUDY/PART "
-                                             "(`studies.STUDY.parts`): the data stages, the part's sweep and its "
-                                             "end-to-end decoding, timed as one.")):
+          part: Optional[list[str]] = typer.Option(None, "--part", help="Only this part of a study, STUDY/PART "
+                                                   "(`studies.STUDY.parts`): the data stages, the part's sweep and "
+                                                   "its end-to-end decoding, timed as one. Repeatable, run in "
+                                                   "order; STUDY: each part of it; all: each part of every study. "
+                                                   "A part done in this workspace is skipped.")):
     """The whole DAG through DVC. The default profile runs in the project root; any other profile in its own
     workspace scratch/workspaces/<profile>/ (a YAML path: its file name without .yaml), whose params.yaml is the
     resolved profile (so DVC tracks it)."""
@@ -437,12 +459,17 @@ def repro(profile: Optional[str] = ProfileOpt,
         from pipeline.dvc_workspace import repro as run_repro
         cfg = load_config(profile if profile not in (None, "") else "default")
         # the arguments first, so bad input is one line; then the hardware check (which may warn)
-        if part is not None:
+        if part:
+            from pipeline.parts import expand_parts
+
             if stage or force:
-                raise ConfigError(f"--part {part}: runs on its own, without --stage or --force")
-            code = _repro_part(cfg, profile or "default", part)
-            if code:
-                _fail(f"--part {part} failed (exit {code}); finished work is kept, run again to resume")
+                raise ConfigError(f"--part {part[0]}: runs on its own, without --stage or --force")
+            todo = expand_parts(cfg, part)
+            for n, (study, name) in enumerate(todo, 1):
+                console.print(f"[bold]part {n} of {len(todo)}: {study}/{name}[/]", highlight=False)
+                code = _repro_part(cfg, profile or "default", study, name)
+                if code:
+                    _fail(f"--part {study}/{name} failed (exit {code}); finished work is kept, run again to resume")
             return
         known = {"prepare", "regenerate", "features", "e2e", "report", *(f"study@{s}" for s in cfg.studies)}
         bad = [s for s in stage or [] if s not in known]

@@ -17,6 +17,7 @@ from pathlib import Path
 import yaml
 
 from pipeline.config import ROOT, Config, ConfigError
+from pipeline.parts import WHOLE
 
 CODE_DIRS = ("models", "stages")   # the folders dvc.yaml names the stages' code in, relative to the project
 
@@ -120,8 +121,8 @@ DATA_STAGES = "features"   # the last data stage: `dvc repro features` runs prep
 def repro_part(cfg: Config, profile: str, study: str, part: str, decode: bool,
                echo=lambda line: None) -> int:
     """One part of a study from its workspace, in one go: the data stages through DVC (nothing when they are up to
-    date), then `kvshot sweep --study STUDY --part PART` and, when the part holds drafters the study decodes,
-    `kvshot e2e` of those. The whole is timed into the workspace's parts record (scratch/parts.json, which the
+    date), then `kvshot sweep --study STUDY --part PART` (a study without parts: its one part `(whole)`, the whole
+    study) and, when the part holds drafters the study decodes, `kvshot e2e` of those. The whole is timed into the workspace's parts record (scratch/parts.json, which the
     report reads), with the data stages' share and whether the workspace was fresh; each command records its
     own stage time too. Returns the first nonzero exit code, else 0."""
     from pipeline.provenance import record_part
@@ -133,10 +134,10 @@ def repro_part(cfg: Config, profile: str, study: str, part: str, decode: bool,
         raise FileNotFoundError("dvc is not installed in this environment (run `make setup`)")
     fresh = not (root / "data" / "features").exists()
     kvshot = [sys.executable, "-m", "pipeline.cli"]
-    steps = [("data stages", ["dvc", "repro", DATA_STAGES]),
-             ("sweep", kvshot + ["sweep", "--study", study, "--part", part])]
+    which = ["--study", study] + (["--part", part] if part != WHOLE else [])
+    steps = [("data stages", ["dvc", "repro", DATA_STAGES]), ("sweep", kvshot + ["sweep", *which])]
     if decode:
-        steps.append(("e2e", kvshot + ["e2e", "--study", study, "--part", part]))
+        steps.append(("e2e", kvshot + ["e2e", *which]))
     start = time.perf_counter()
     data_s = 0.0
     for what, cmd in steps:
@@ -149,3 +150,18 @@ def repro_part(cfg: Config, profile: str, study: str, part: str, decode: bool,
             return code
     record_part(root, f"{study}/{part}", time.perf_counter() - start, data_s, fresh)
     return 0
+
+
+def done_part(root: Path, study: str, part: str, trials: list, finished: dict, decode: bool) -> dict | None:
+    """The record of a part's latest run in one go when nothing of it is left to do: every trial of it finished
+    in the workspace (`finished`: rows by trial name, found by fingerprint, so by the current code and data) and,
+    when it decodes, its decoding done by the current decoding code. Else None: the part runs (again)."""
+    from pipeline.provenance import part_record
+    from stages.code_hash import DECODE_CODE, code_hash
+
+    record = part_record(root, f"{study}/{part}")
+    if record is None or any(t.name not in finished for t in trials):
+        return None
+    if decode and record.get("decode_code") != code_hash(patterns=DECODE_CODE):
+        return None
+    return record

@@ -3,6 +3,7 @@ and controls its trials need, so a study runs in pieces that combine by trial na
 
     parts = check_parts(trials, cfg, "depth")                    # its parts, each a filter of the plan
     mine = plan_part(trials, part_filter(cfg, "depth", "seed1")) # one part, with the parents it needs
+    expand_parts(cfg, ["all"])                                   # every part of every study, in run order
 """
 from __future__ import annotations
 
@@ -12,6 +13,10 @@ from pipeline.config import Config, ConfigError, lookup
 from pipeline.plan import eagle3_key, resolve_axes
 from pipeline.trial import CKPT_CHILDREN, Trial, is_continued
 from stages.common import filter_text
+
+WHOLE = "(whole)"   # the one part of a study that names none
+ALL = "all"
+
 
 
 def config_matches(config: Config | dict, only: dict[str, list[Any]]) -> bool:
@@ -81,3 +86,25 @@ def check_parts(trials: list[Trial], cfg: Config, study: str | None) -> dict[str
         raise ConfigError(f"studies.{study}.parts: no part runs {', '.join(left)}; add a part whose filter "
                           "matches them")
     return parts
+
+
+def expand_parts(cfg: Config, specs: list[str]) -> list[tuple[str, str]]:
+    """(study, part) in run order from `kvshot repro --part` specs: `STUDY/PART`; `STUDY`, every part of the study
+    (a study without parts is one, `(whole)`); `all`, every part of every study in the profile's study order, the
+    order DVC runs them (a validation study before the study that chooses from it). A part named twice runs once."""
+    out: list[tuple[str, str]] = []
+    for spec in specs:
+        study, slash, part = spec.partition("/")
+        studies = list(cfg.studies) if spec == ALL else [study]
+        if any(s not in cfg.studies for s in studies) or (slash and not part):
+            raise ConfigError(f"--part {spec!r}: expected STUDY/PART, STUDY or {ALL} with a study of this profile "
+                              f"({', '.join(cfg.studies) or 'none'})")
+        if part and part not in cfg.studies[study].parts:
+            has = f"its parts: {', '.join(cfg.studies[study].parts)}" if cfg.studies[study].parts else \
+                f"it has no parts: --part {study} runs it whole"
+            raise ConfigError(f"--part {spec!r}: not a part of study {study} ({has})")
+        for s in studies:
+            for p in ([part] if part else list(cfg.studies[s].parts) or [WHOLE]):
+                if (s, p) not in out:
+                    out.append((s, p))
+    return out

@@ -68,11 +68,21 @@ def record_time(root: Path, command: str, seconds: float, machine: str | None = 
 
 def record_part(root: Path, part: str, seconds: float, data_stages_s: float, fresh: bool) -> None:
     """Remember the latest run of a study part in one go (`STUDY/PART`): its whole wall time, the data stages'
-    share of it, whether they ran from a fresh workspace, and the commit and machine. Kept apart from the stage
-    times, which hold the same work stage by stage (the report's total sums those)."""
+    share of it, whether they ran from a fresh workspace, the commit and machine, and the hash of the decoding
+    code its end-to-end rows came from. Kept apart from the stage times, which hold the same work stage by stage
+    (the report's total sums those)."""
+    from stages.code_hash import DECODE_CODE, code_hash
+
     _update_json(Path(root) / PARTS, part, {"wall_s": round(seconds, 1), "data_stages_s": round(data_stages_s, 1),
                                             "fresh": fresh, "commit": short_commit(), "machine": hardware(),
-                                            "date": dt.date.today().isoformat()})
+                                            "date": dt.date.today().isoformat(),
+                                            "decode_code": code_hash(patterns=DECODE_CODE)})
+
+
+def part_record(root: Path, part: str) -> dict | None:
+    """The latest run in one go of a study part (`STUDY/PART`) in the workspace, None when it has none."""
+    record = _read_json(Path(root) / PARTS).get(part)
+    return record if isinstance(record, dict) else None
 
 
 def provenance(cfg: Config, paths) -> dict:

@@ -45,10 +45,13 @@ from stages.common import Paths, write_json_atomic
 
 
 def run_sweep(trials: list[Trial], paths: Paths, trial_fn: TrialFn = run_trial, console: Console | None = None,
-              track: bool = True, parts: dict[str, list[Trial]] | None = None) -> SweepResult:
+              track: bool = True, parts: dict[str, list[Trial]] | None = None,
+              study_trials: list[Trial] | None = None) -> SweepResult:
     """Run the planned trials (see module doc) and write metrics/stepwise/<study>.json and the plan it executes,
     runs/<study>/plan.json (`parts`: the study's parts with their trials, `check_parts`); never raises for a failing
-    trial (see SweepResult.exit_code). `trial_fn(trial, paths, report) -> row` runs inside a worker."""
+    trial (see SweepResult.exit_code). `trial_fn(trial, paths, report) -> row` runs inside a worker. `trials` a
+    part of `study_trials` (the whole plan): the metrics file holds the rows of the study's other trials finished
+    in this workspace beside the part's (`_with_other_parts`), as the plan file does."""
     from pipeline.tracking import Tracker, git_commit
 
     if not trials:
@@ -92,7 +95,8 @@ def run_sweep(trials: list[Trial], paths: Paths, trial_fn: TrialFn = run_trial, 
         result = SweepResult(study=study, rows=ordered, ran=submitted,
                              skipped=skipped, failed_names=failed, metrics_path=paths.stepwise_metrics(study),
                              parent_run_id=parent_id)
-        write_json_atomic(result.metrics_path, [_public(r) for r in ordered])
+        write_json_atomic(result.metrics_path,
+                          [_public(r) for r in _with_other_parts(ordered, trials, study_trials, paths)])
         _end_parent_run(tracker, result, time.perf_counter() - start)
     show_summary(result, trials, console)
     return result
@@ -161,6 +165,20 @@ def _finished_rows(trials: list[Trial], paths: Paths) -> dict[str, dict]:
         if row is not None:
             rows[t.name] = {**row, "cached": True}
     return rows
+
+
+def _with_other_parts(rows: list[dict], trials: list[Trial], study_trials: list[Trial] | None,
+                      paths: Paths) -> list[dict]:
+    """A part's rows with the rows of the study's other trials finished in this workspace (their own run
+    directories, same fingerprint: current code and data), in the plan's order, so the metrics file of a study run
+    part by part holds every part run so far."""
+    if not study_trials:
+        return rows
+    own = {r["trial"]: r for r in rows}
+    fingerprint_trials(study_trials, paths)
+    found = {t.name: cached_result(t, paths) for t in study_trials if t.name not in own}
+    return [own[t.name] if t.name in own else {**found[t.name], "cached": True}
+            for t in study_trials if t.name in own or found.get(t.name) is not None]
 
 
 def _start_parent_run(tracker: Any, trials: list[Trial], commit: str, skipped: list[str],

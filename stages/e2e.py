@@ -150,8 +150,9 @@ def _setting(run_dir: Path, config: dict, root: Path) -> dict[str, Any]:
 
 
 def run(params: E2EParams, run_dirs, paths: Paths, report: Report, *, target: TargetParams,
-        loaded_target: Any = None, **_: Any) -> list[dict]:
-    """Decode with every drafter in `run_dirs`; writes metrics/e2e.json and returns its rows.
+        loaded_target: Any = None, keep: list[dict] = (), **_: Any) -> list[dict]:
+    """Decode with every drafter in `run_dirs`; writes metrics/e2e.json (after the `keep` rows, those of drafters
+    decoded before that this run leaves alone) and returns its own rows.
 
     Trees are tuned first (on prompts of their own, `split_prompts`); then every method decodes prompt by prompt,
     one method after another on the same prompt, so that a drift of the machine's speed during the run reaches every
@@ -195,7 +196,7 @@ def run(params: E2EParams, run_dirs, paths: Paths, report: Report, *, target: Ta
         rows.append(row)
         report({f"{row['trial']}/{kind}/{key}": float(row[key]) for key in   # one MLflow series per drafter
                 ("tau", "tokens_per_s", "speedup", "draft_time_share", "exact_match", "lossless")})
-    write_json_atomic(paths.e2e_metrics, rows)
+    write_json_atomic(paths.e2e_metrics, [*keep, *rows])
     serve_with_engines(params, run_dirs, settings, prompts, tgt, target, paths, report)
     return rows
 

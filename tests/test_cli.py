@@ -1,4 +1,5 @@
 """The CLI contract of DESIGN §10: every command exists, dry-run grids, one-line errors with exit code 2."""
+import json
 import subprocess
 import sys
 from pathlib import Path
@@ -64,7 +65,9 @@ def test_sweep_dry_run_lists_a_studys_parts_and_runs_one():
     (("sweep", "--study", "depth", "--part", "seed0", "--only", "depth=4", "--dry-run", "--profile", "study"),
      "give one (a part is a named --only)"),
     (("e2e", "--part", "seed0", "--profile", "study"), "--part seed0: needs --study"),
-    (("repro", "--profile", "study", "--part", "depth"), "--part 'depth': expected STUDY/PART"),
+    (("repro", "--profile", "study", "--part", "nope"), "--part 'nope': expected STUDY/PART, STUDY or all"),
+    (("repro", "--profile", "study", "--part", "depth/nope"), "--part 'depth/nope': not a part of study depth"),
+    (("repro", "--profile", "study", "--part", "injection/x"), "it has no parts: --part injection runs it whole"),
     (("repro", "--profile", "study", "--part", "depth/seed0-deep", "--stage", "features"), "without --stage or --force"),
     (("train", "variant=medusa"), "drafter.variant"),
 ])
@@ -198,3 +201,22 @@ def test_a_profile_workspace_links_the_code_dvc_yaml_lists(tmp_path, monkeypatch
     (tmp_path / "other" / "models").mkdir(parents=True)
     with pytest.raises(ConfigError, match="models/ is a folder of its own"):
         share_code(tmp_path / "other")
+
+
+def test_decoding_some_drafters_keeps_the_rows_of_the_others(tmp_path):
+    """`kvshot e2e --study S` or `--part P` decodes some drafters: the workspace's rows of the others (another part,
+    another study) stay in metrics/e2e.json beside the new ones, those of the drafters decoded again are replaced."""
+    from pipeline.cli import _rows_of_others
+    from pipeline.config import ConfigError
+
+    path = tmp_path / "e2e.json"
+    assert _rows_of_others(path, []) == []
+    rows = [{"study": "block", "trial": "block-hidden", "tree_kind": "paper"},
+            {"study": "block", "trial": "block-kv", "tree_kind": "paper"},
+            {"study": "scale", "trial": "block-hidden", "tree_kind": "paper"}]
+    path.write_text(json.dumps(rows))
+    again = [tmp_path / "runs" / "block" / "block-hidden"]
+    assert _rows_of_others(path, again) == rows[1:]
+    path.write_text("[{")
+    with pytest.raises(ConfigError, match=r"e2e.json: not valid JSON .*; move it aside to decode anew"):
+        _rows_of_others(path, again)

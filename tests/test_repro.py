@@ -216,7 +216,8 @@ def test_a_validation_study_trains_evaluates_beyond_its_scale_and_reports_apart(
 @pytest.mark.slow
 def test_a_part_of_a_study_runs_in_one_go_from_a_fresh_workspace(tmp_path):
     """`kvshot repro --part STUDY/PART`: the data stages, the part's sweep and the end-to-end decoding of its
-    drafters the study marks, nothing of the other studies, and one wall time for the whole in the parts record."""
+    drafters the study marks, nothing of the other studies, and one wall time for the whole in the parts record;
+    then `--part STUDY`: its parts in order, the one done skipped."""
     env = dict(os.environ, KVSHOT_WORKSPACES=str(tmp_path), PATH=f"{BIN}{os.pathsep}{os.environ['PATH']}")
     env.pop("MLFLOW_TRACKING_URI", None)
     env.pop("RAY_ADDRESS", None)
@@ -238,6 +239,16 @@ def test_a_part_of_a_study_runs_in_one_go_from_a_fresh_workspace(tmp_path):
             "e2e:block --only drafter.variant=block"} <= set(times)
     # the data stages' DVC records are the whole profile's: a later `kvshot repro` picks up from them
     assert "features" in (ws / "dvc.lock").read_text()
+    # the study by name: the part done is skipped (its time in one go kept), the other runs after it
+    out = kvshot("repro", "--profile", "smoke", "--part", "block", env=env)
+    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+    assert "part block/blocks: done in this workspace (2 trials finished, decoded;" in out.stderr
+    parts = json.loads((ws / "scratch" / "parts.json").read_text())
+    assert parts["block/blocks"] == record and set(parts) == {"block/blocks", "block/autoregressive"}
+    assert json.loads((ws / "scratch" / "timings.json").read_text())["sweep:block --only drafter.variant=block"] == \
+        times["sweep:block --only drafter.variant=block"]
+    assert {r["trial"] for r in json.loads((ws / "metrics" / "stepwise" / "block.json").read_text())} == \
+        {"block-hidden", "block-kv", "eagle3", "eagle3.1"}
 
 
 # -- results that follow the code ---------------------------------------------------------------------------------

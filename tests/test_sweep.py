@@ -235,6 +235,22 @@ def test_the_study_profiles_parts_cover_each_plan():
     assert {t.variant for t in block["blocks-seeds12"]} == {"block"} and len(block["blocks-seeds12"]) == 4
 
 
+def test_parts_named_by_study_or_all_run_once_in_the_profiles_order():
+    """`kvshot repro --part` takes STUDY/PART, STUDY (each part of it; a study without parts, whole) or `all`:
+    every part of every study once, the validation study's parts before those of the study choosing from it."""
+    from pipeline.parts import WHOLE, expand_parts
+
+    cfg = load_config("study")
+    every = expand_parts(cfg, ["all"])
+    assert every[0] == ("injection", WHOLE) and len(set(every)) == len(every) == 24
+    assert sum(len(s.parts) or 1 for s in cfg.studies.values()) == 24
+    studies = [s for s, _ in every]
+    assert max(i for i, s in enumerate(studies) if s == "block_lr") < studies.index("block")
+    depth = [("depth", p) for p in cfg.studies["depth"].parts]
+    assert expand_parts(cfg, ["depth/seed1", "depth", "injection"]) == \
+        [("depth", "seed1"), *[d for d in depth if d[1] != "seed1"], ("injection", WHOLE)]
+
+
 def test_parts_that_leave_a_trial_out_or_match_nothing_are_one_line_errors():
     from pipeline.config import Config
     from pipeline.parts import check_parts, part_filter
