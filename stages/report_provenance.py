@@ -144,7 +144,7 @@ def not_run_yet(context: dict, measured: set[str]) -> list[list[str]]:
     out = []
     for study, trials in planned_not_run(context, measured).items():
         for trial, part in trials.items():
-            where = f"`kvshot repro --part {study}/{part}`" if part != "(whole)" else f"study {study}"
+            where = f"`kvshot repro --part {study}/{part}`" if part != "(whole)" else f"`kvshot repro --part {study}`"
             out.append([study, trial, "–", "not run yet", f"planned by the profile; {where} runs it"])
     return out
 
