@@ -51,8 +51,9 @@ def main() -> None:
             "not recorded for this part"
         total = sweep_s + data_s + (decode if recorded else 0.0)
         run = in_one_go.get(key)
-        measured = "–" if not run else \
-            f"{run['wall_s'] / 60:.1f} min{', fresh workspace' if run.get('fresh') else ''} ({run.get('commit', '?')})"
+        before = f", {run['begun_before']} of its trials begun before" if run and run.get("begun_before") else ""
+        measured = "–" if not run else f"{run['wall_s'] / 60:.1f} min{', fresh workspace' if run.get('fresh') else ''}" \
+            f"{before} ({run.get('commit', '?')})"
         sweep_text = f"about {sweep_s / 60:.0f} min ({len(got['estimated'])} trials estimated from paces)" \
             if estimated else f"{sweep_s / 60:.1f} min"
         waves = f"{got['unwaved_s'] / 60:.1f} min ({got['unwaved_s'] / sweep_s:.2f}x)" if sweep_s else "–"

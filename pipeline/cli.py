@@ -388,6 +388,7 @@ def _repro_part(cfg: Config, profile: str, study: str, part: str) -> int:
     from pipeline.parts import WHOLE, check_parts, decodes_any, part_filter, plan_part
     from pipeline.plan import plan
     from pipeline.sweep import check_chosen, finished_rows_in
+    from pipeline.trial import begun
     from stages.common import Paths
 
     ws = Paths(ROOT if profile == "default" else workspace(profile))
@@ -404,7 +405,8 @@ def _repro_part(cfg: Config, profile: str, study: str, part: str) -> int:
                       f"{done.get('date', '?')}); nothing to run", highlight=False, soft_wrap=True)
         return 0
     check_hardware(cfg)
-    return repro_part(cfg, profile, study, part, decode, echo=lambda line: console.print(line, highlight=False))
+    return repro_part(cfg, profile, study, part, decode, echo=lambda line: console.print(line, highlight=False),
+                      begun_before=sum(begun(t, ws) for t in mine) if ws.root.is_dir() else 0)
 
 
 def write_curves(paths, study: str) -> None:

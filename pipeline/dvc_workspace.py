@@ -119,12 +119,13 @@ DATA_STAGES = "features"   # the last data stage: `dvc repro features` runs prep
 
 
 def repro_part(cfg: Config, profile: str, study: str, part: str, decode: bool,
-               echo=lambda line: None) -> int:
+               echo=lambda line: None, begun_before: int = 0) -> int:
     """One part of a study from its workspace, in one go: the data stages through DVC (nothing when they are up to
     date), then `kvshot sweep --study STUDY --part PART` (a study without parts: its one part `(whole)`, the whole
     study) and, when the part holds drafters the study decodes, `kvshot e2e` of those. The whole is timed into the workspace's parts record (scratch/parts.json, which the
     report reads), with the data stages' share and whether the workspace was fresh; each command records its
-    own stage time too. Returns the first nonzero exit code, else 0."""
+    own stage time too; `begun_before`: how many of the part's trials had begun before this run (a run resumed
+    after an interruption), whose time is then not the whole part's. Returns the first nonzero exit code, else 0."""
     from pipeline.provenance import record_part
 
     root = ROOT if profile == "default" else prepare_workspace(cfg, profile)
@@ -148,7 +149,7 @@ def repro_part(cfg: Config, profile: str, study: str, part: str, decode: bool,
             data_s = time.perf_counter() - t0
         if code:
             return code
-    record_part(root, f"{study}/{part}", time.perf_counter() - start, data_s, fresh)
+    record_part(root, f"{study}/{part}", time.perf_counter() - start, data_s, fresh, begun_before)
     return 0
 
 

@@ -130,6 +130,13 @@ def _link_or_copy(src: str, dst: str) -> None:
         shutil.copy2(src, dst)
 
 
+def begun(trial: Trial, paths: Paths) -> bool:
+    """Whether the trial's run directory holds a run of its current fingerprint (finished, or stopped with a
+    checkpoint that training resumes from)."""
+    fp_file = trial.run_dir(paths) / FINGERPRINT_FILE
+    return fp_file.is_file() and fp_file.read_text().strip() == trial.fingerprint
+
+
 def prepare_run_dir(trial: Trial, paths: Paths) -> Path:
     """Make runs/<study>/<trial>/ ready: a run of another fingerprint is stale and removed (so training never
     resumes from its checkpoint); a run of the same fingerprint is kept (training resumes from its checkpoint)."""

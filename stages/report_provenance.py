@@ -161,6 +161,30 @@ def _replayed_text(got: dict) -> str:
     return "–"
 
 
+DATA_STAGES = ("prepare", "regenerate", "features")
+
+
+def _data_stages_s(context: dict) -> float | None:
+    """The data stages' wall time as the workspace last ran them (None unless all three are recorded)."""
+    times = context.get("stage_times_s") if isinstance(context.get("stage_times_s"), dict) else {}
+    found = [times.get(s) for s in DATA_STAGES]
+    return sum(found) if all(isinstance(t, (int, float)) for t in found) else None
+
+
+def _within_budget(run: dict, budget_min: float, fresh_data: float | None) -> str:
+    """Whether a part's run in one go fits the budget from a fresh workspace: as it ran when it ran from one; a run
+    where the data stages were already there with their time as recorded in its place; never for a resumed run."""
+    wall = run["wall_s"] / 60
+    if run.get("begun_before"):
+        return "– (resumed)"
+    if run.get("fresh"):
+        return "yes" if wall <= budget_min else "no"
+    if fresh_data is None:
+        return "– (not from a fresh workspace)"
+    total = wall + (fresh_data - float(run.get("data_stages_s") or 0)) / 60
+    return f"{'yes' if total <= budget_min else 'no'} ({total:.0f} min with the data stages as recorded)"
+
+
 def parts_provenance(context: dict, budget_min: float | None) -> pd.DataFrame:
     """Per study part (`studies.STUDY.parts`; a study without parts is one, `(whole)`): its filter, its trials'
     measured times replayed as one sweep (`parts_replayed`) and, when it ran in one go (`kvshot repro --part`),
@@ -172,6 +196,7 @@ def parts_provenance(context: dict, budget_min: float | None) -> pd.DataFrame:
     if not parts:
         return pd.DataFrame()
     named_parts = {study: parts.get(study) or {"(whole)": {}} for study in context.get("studies") or parts}
+    fresh_data = _data_stages_s(context)
     records = []
     for study, named in named_parts.items():
         for name, only in named.items():
@@ -183,13 +208,14 @@ def parts_provenance(context: dict, budget_min: float | None) -> pd.DataFrame:
                    "trials' times replayed": _replayed_text(got)}
             if isinstance(run, dict) and isinstance(run.get("wall_s"), (int, float)):
                 wall, data = run["wall_s"] / 60, float(run.get("data_stages_s") or 0) / 60
-                row.update({"wall time (one go)": f"{wall:.1f} min",
+                before = run.get("begun_before") or 0      # a run resumed after an interruption
+                row.update({"wall time (one go)": f"{wall:.1f} min" + (f" ({before} of its trials begun before)"
+                                                                        if before else ""),
                             "data stages": f"{data:.1f} min" + (", fresh workspace" if run.get("fresh") else
                                                                 ", already there"),
                             "commit": str(run.get("commit", "unknown")), "machine": str(run.get("machine", "unknown"))})
                 if budget_min is not None:
-                    row["within budget"] = ("yes" if wall <= budget_min else "no") if run.get("fresh") else \
-                        "– (not from a fresh workspace)"
+                    row["within budget"] = _within_budget(run, budget_min, fresh_data)
             else:
                 row.update({"wall time (one go)": "not run in one go", "data stages": "–", "commit": "–",
                             "machine": "–"})

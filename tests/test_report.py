@@ -455,14 +455,18 @@ def _cells(line: str) -> list[str]:
 
 def test_each_part_states_its_one_go_wall_time_and_the_budget(tmp_path):
     """The parts table: a part run from a fresh workspace is held to the budget, one run where the data stages
-    were already there is not (its time leaves them out), one never run in one go says so."""
+    were already there is not (its time leaves them out), nor one resumed after an interruption (its time is the
+    rest of a run), one never run in one go says so."""
     paths = project(tmp_path)
-    parts = {"depth": {"seed0": {"train.seed": [0]}, "seeds12": {"train.seed": [1, 2]}},
+    parts = {"depth": {"seed0": {"train.seed": [0]}, "seeds12": {"train.seed": [1, 2]},
+                       "seeds34": {"train.seed": [3, 4]}},
              "scale": {"large": {"train.scale": ["large"]}}}
     runs = {"depth/seed0": {"wall_s": 7200.0, "data_stages_s": 1800.0, "fresh": True, "commit": "abc1234",
                             "machine": "2 CPU cores"},
             "depth/seeds12": {"wall_s": 9600.0, "data_stages_s": 2000.0, "fresh": True, "commit": "abc1234",
                               "machine": "2 CPU cores"},
+            "depth/seeds34": {"wall_s": 1200.0, "data_stages_s": 300.0, "fresh": True, "commit": "abc1234",
+                              "machine": "2 CPU cores", "begun_before": 2},
             "scale/large": {"wall_s": 600.0, "data_stages_s": 3.0, "fresh": False, "commit": "def5678",
                             "machine": "another"}}
     replayed = {"depth/seed0": {"trials": 4, "replayed_s": 5400.0}, "depth/seeds12": {"trials": 4, "missing": ["x"]}}
@@ -475,6 +479,15 @@ def test_each_part_states_its_one_go_wall_time_and_the_budget(tmp_path):
     assert table_row(prov, "depth", "seeds12")[3:5] == ["4", "–"] and table_row(prov, "depth", "seeds12")[-1] == "no"
     assert table_row(prov, "scale", "large")[5:] == ["10.0 min", "0.1 min, already there", "def5678", "another",
                                                      "– (not from a fresh workspace)"]
+    assert table_row(prov, "depth", "seeds34")[5] == "20.0 min (2 of its trials begun before)"
+    assert table_row(prov, "depth", "seeds34")[-1] == "– (resumed)"
+    # a part run where the data stages were already there, with their recorded time in place of its own
+    times = {**CONTEXT["stage_times_s"], "regenerate": 1500.0, "features": 246.0}      # 1,800 s with prepare's
+    run(ReportParams(bootstrap_draws=400, budget_min=150), {**CONTEXT, "stage_times_s": times, "study_parts": parts,
+                                                            "parts_run": runs, "parts_replayed": replayed},
+        paths, lambda m: None)
+    prov = section((paths.reports / "README.md").read_text(), "Provenance")
+    assert table_row(prov, "scale", "large")[-1] == "yes (40 min with the data stages as recorded)"
     assert table_row(prov, "injection", "(whole)")[2:6] == ["–", "–", "–", "not run in one go"]   # no parts: one
     paths = project(tmp_path / "never")
     run(FAST, {**CONTEXT, "study_parts": {"scale": {"large": {"train.scale": ["large"]}}}}, paths, lambda m: None)

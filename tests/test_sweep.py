@@ -688,6 +688,22 @@ run_sweep(plan(cfg, parse_overrides(["depth=1,2,3"])), Paths(Path(sys.argv[1])),
 """
 
 
+def test_a_trial_has_begun_when_its_run_directory_holds_its_fingerprint(tmp_path):
+    """What `kvshot repro --part` counts as begun before its run (its time is then not the whole part's): a run
+    directory of the trial's current fingerprint, finished or not; a stale one is removed when the trial runs."""
+    from pipeline.trial import FINGERPRINT_FILE, begun
+
+    t = plan(smoke(), parse_overrides(["depth=1"]))[0]
+    t.fingerprint = "abc"
+    paths = Paths(tmp_path)
+    assert not begun(t, paths)
+    t.run_dir(paths).mkdir(parents=True)
+    (t.run_dir(paths) / FINGERPRINT_FILE).write_text("old\n")
+    assert not begun(t, paths)
+    (t.run_dir(paths) / FINGERPRINT_FILE).write_text("abc\n")
+    assert begun(t, paths)
+
+
 def test_killed_sweep_resumes_without_redoing_finished_trials(ray_local, project, tmp_path):
     script = tmp_path / "sweep_to_kill.py"
     script.write_text(KILL_SCRIPT)
