@@ -380,35 +380,6 @@ def _part_or_only(cfg: Config, study: Optional[str], part: Optional[str], only: 
     return parse_overrides(only or [])
 
 
-def _repro_part(cfg: Config, profile: str, study: str, part: str) -> int:
-    """One part of `kvshot repro --part`: check it against the study's plan, then run it in the workspace unless
-    it is done there (`pipeline.dvc_workspace.done_part`: its recorded time in one go is kept)."""
-    from pipeline.config import ROOT
-    from pipeline.dvc_workspace import done_part, repro_part, workspace
-    from pipeline.parts import WHOLE, check_parts, decodes_any, part_filter, plan_part
-    from pipeline.plan import plan
-    from pipeline.sweep import check_chosen, finished_rows_in
-    from pipeline.trial import begun
-    from stages.common import Paths
-
-    ws = Paths(ROOT if profile == "default" else workspace(profile))
-    rows_of = finished_rows_in(ws)
-    trials = plan(cfg, {}, study, rows_of=rows_of)
-    check_parts(trials, cfg, study)
-    mine = trials if part == WHOLE else plan_part(trials, part_filter(cfg, study, part))
-    check_chosen(mine, cfg)                  # before the data stages: a value still waits for its validation
-    decode = decodes_any(cfg, study, mine)
-    done = done_part(ws.root, study, part, mine, rows_of(mine) if ws.root.is_dir() else {}, decode)
-    if done is not None:
-        console.print(f"part {study}/{part}: done in this workspace ({len(mine)} trials finished"
-                      f"{', decoded' if decode else ''}; {done.get('wall_s', 0) / 60:.1f} min in one go on "
-                      f"{done.get('date', '?')}); nothing to run", highlight=False, soft_wrap=True)
-        return 0
-    check_hardware(cfg)
-    return repro_part(cfg, profile, study, part, decode, echo=lambda line: console.print(line, highlight=False),
-                      begun_before=sum(begun(t, ws) for t in mine) if ws.root.is_dir() else 0)
-
-
 def write_curves(paths, study: str) -> None:
     """What DVC shows of a study: α_k/acc_k vs k as flat records (`dvc plots show`) and a per-trial summary of
     numbers (`dvc metrics show`); the stepwise file itself is a list of rows, which DVC cannot tabulate."""
@@ -453,7 +424,9 @@ def repro(profile: Optional[str] = ProfileOpt,
                                                    "(`studies.STUDY.parts`): the data stages, the part's sweep and "
                                                    "its end-to-end decoding, timed as one. Repeatable, run in "
                                                    "order; STUDY: each part of it; all: each part of every study. "
-                                                   "A part done in this workspace is skipped.")):
+                                                   "A part done in this workspace is skipped."),
+          dry_run: bool = typer.Option(False, "--dry-run", help="With --part: where each part stands in the "
+                                       "workspace (done, begun, waiting); run nothing.")):
     """The whole DAG through DVC. The default profile runs in the project root; any other profile in its own
     workspace scratch/workspaces/<profile>/ (a YAML path: its file name without .yaml), whose params.yaml is the
     resolved profile (so DVC tracks it)."""
@@ -462,17 +435,12 @@ def repro(profile: Optional[str] = ProfileOpt,
         cfg = load_config(profile if profile not in (None, "") else "default")
         # the arguments first, so bad input is one line; then the hardware check (which may warn)
         if part:
-            from pipeline.parts import expand_parts
-
             if stage or force:
                 raise ConfigError(f"--part {part[0]}: runs on its own, without --stage or --force")
-            todo = expand_parts(cfg, part)
-            for n, (study, name) in enumerate(todo, 1):
-                console.print(f"[bold]part {n} of {len(todo)}: {study}/{name}[/]", highlight=False)
-                code = _repro_part(cfg, profile or "default", study, name)
-                if code:
-                    _fail(f"--part {study}/{name} failed (exit {code}); finished work is kept, run again to resume")
+            _repro_parts(cfg, profile or "default", part, dry_run)
             return
+        if dry_run:
+            raise ConfigError("--dry-run: shows where parts stand; give --part (say --part all)")
         known = {"prepare", "regenerate", "features", "e2e", "report", *(f"study@{s}" for s in cfg.studies)}
         bad = [s for s in stage or [] if s not in known]
         if bad:
@@ -484,6 +452,23 @@ def repro(profile: Optional[str] = ProfileOpt,
         if code:
             _fail(f"dvc repro failed (exit {code}); finished stages are kept, run again to resume")
     _guarded(body)
+
+
+def _repro_parts(cfg: Config, profile: str, specs: list[str], dry_run: bool) -> None:
+    """`kvshot repro --part ...`: each part in order (`pipeline.repro_parts`), stopping at the first failure."""
+    from pipeline.parts import expand_parts
+    from pipeline.repro_parts import part_state, run_part
+
+    todo = expand_parts(cfg, specs)
+    for n, (study, name) in enumerate(todo, 1):
+        state = part_state(cfg, profile, study, name)
+        if dry_run:
+            print(state.line())
+            continue
+        console.print(f"[bold]part {n} of {len(todo)}: {state.name}[/]", highlight=False)
+        code = run_part(cfg, profile, state, echo=lambda line: console.print(line, highlight=False, soft_wrap=True))
+        if code:
+            _fail(f"--part {state.name} failed (exit {code}); finished work is kept, run again to resume")
 
 
 @app.command("plan")

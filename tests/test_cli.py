@@ -69,6 +69,7 @@ def test_sweep_dry_run_lists_a_studys_parts_and_runs_one():
     (("repro", "--profile", "study", "--part", "depth/nope"), "--part 'depth/nope': not a part of study depth"),
     (("repro", "--profile", "study", "--part", "injection/x"), "it has no parts: --part injection runs it whole"),
     (("repro", "--profile", "study", "--part", "depth/seed0-deep", "--stage", "features"), "without --stage or --force"),
+    (("repro", "--dry-run"), "--dry-run: shows where parts stand; give --part (say --part all)"),
     (("train", "variant=medusa"), "drafter.variant"),
 ])
 def test_bad_input_is_one_line_and_exit_2(args, needle):
@@ -220,3 +221,19 @@ def test_decoding_some_drafters_keeps_the_rows_of_the_others(tmp_path):
     path.write_text("[{")
     with pytest.raises(ConfigError, match=r"e2e.json: not valid JSON .*; move it aside to decode anew"):
         _rows_of_others(path, again)
+
+
+def test_repro_dry_run_says_where_each_part_stands(tmp_path):
+    """`kvshot repro --part all --dry-run` in a workspace not made yet: every part of every study, in the order
+    they run, none begun; creates nothing. (Parts done and begun: tests/test_repro.py.)"""
+    import os
+
+    env = dict(os.environ, KVSHOT_WORKSPACES=str(tmp_path))
+    out = subprocess.run(KVSHOT + ["repro", "--profile", "smoke", "--part", "all", "--dry-run"], cwd=ROOT, env=env,
+                         capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.splitlines() == [
+        "part injection/(whole): not begun (4 trials)", "part depth/(whole): not begun (3 trials)",
+        "part hybrid/(whole): not begun (3 trials)", "part scale/(whole): not begun (3 trials, decoded)",
+        "part block/blocks: not begun (2 trials, decoded)", "part block/autoregressive: not begun (2 trials)"]
+    assert list(tmp_path.iterdir()) == []

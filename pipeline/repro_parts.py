@@ -1,0 +1,82 @@
+"""`kvshot repro --part`: a profile's study parts run one after another in its workspace, each in one go, those
+done there skipped, so a study of many parts runs across interruptions with one command that is run again.
+
+    for study, part in expand_parts(cfg, ["all"]):
+        state = part_state(cfg, "study", study, part)        # its trials, what of it is finished, begun, done
+        print(state.line())                                  # `--dry-run`
+        run_part(cfg, "study", state, echo=print)            # nothing when done
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from pipeline.config import ROOT, Config, ConfigError, check_hardware
+from pipeline.dvc_workspace import done_part, repro_part, workspace
+from pipeline.parts import WHOLE, check_parts, decodes_any, part_filter, plan_part
+from pipeline.plan import plan
+from pipeline.sweep import check_chosen, finished_rows_in
+from pipeline.trial import Trial, begun
+from stages.common import Paths
+
+
+@dataclass
+class PartState:
+    """Where a part stands in the workspace: its trials (with the parents and controls they need), whether the
+    study decodes some of them, how many are finished (same fingerprint) and begun (a run directory of their
+    fingerprint), its record when done (`done_part`), and why it cannot start yet (a value its validation study
+    has not chosen)."""
+    study: str
+    part: str
+    trials: list[Trial]
+    decode: bool
+    finished: int
+    begun: int
+    done: dict | None
+    waits: str | None
+
+    @property
+    def name(self) -> str:
+        return f"{self.study}/{self.part}"
+
+    def line(self) -> str:
+        n = len(self.trials)
+        if self.done is not None:
+            return (f"part {self.name}: done in this workspace ({n} trials finished{', decoded' if self.decode else ''}"
+                    f"; {self.done.get('wall_s', 0) / 60:.1f} min in one go on {self.done.get('date', '?')})")
+        if self.waits:
+            return f"part {self.name}: waits ({self.waits})"
+        if not self.begun:
+            return f"part {self.name}: not begun ({n} trials{', decoded' if self.decode else ''})"
+        return (f"part {self.name}: {self.finished} of {n} trials finished, {self.begun - self.finished} more begun"
+                f"{'; then decoded' if self.decode else ''}")
+
+
+def part_state(cfg: Config, profile: str, study: str, part: str) -> PartState:
+    """The state of one part (`expand_parts` gives the names) in the profile's workspace; reads only."""
+    ws = Paths(ROOT if profile == "default" else workspace(profile))
+    rows_of = finished_rows_in(ws)
+    trials = plan(cfg, {}, study, rows_of=rows_of)
+    check_parts(trials, cfg, study)
+    mine = trials if part == WHOLE else plan_part(trials, part_filter(cfg, study, part))
+    try:
+        check_chosen(mine, cfg)
+        waits = None
+    except ConfigError as e:
+        waits = str(e)
+    decode = decodes_any(cfg, study, mine)
+    here = ws.root.is_dir()
+    finished = rows_of(mine) if here else {}
+    return PartState(study, part, mine, decode, len(finished), sum(begun(t, ws) for t in mine) if here else 0,
+                     done_part(ws.root, study, part, mine, finished, decode), waits)
+
+
+def run_part(cfg: Config, profile: str, state: PartState, echo=lambda line: None) -> int:
+    """Run a part in one go unless it is done (its recorded time kept); a part whose validation study has not
+    chosen its values yet is a one-line error before the data stages. Returns the first nonzero exit code."""
+    if state.done is not None:
+        echo(state.line() + "; nothing to run")
+        return 0
+    if state.waits:
+        raise ConfigError(state.waits)
+    check_hardware(cfg)
+    return repro_part(cfg, profile, state.study, state.part, state.decode, echo=echo, begun_before=state.begun)
