@@ -122,10 +122,11 @@ def repro_part(cfg: Config, profile: str, study: str, part: str, decode: bool,
                echo=lambda line: None, begun_before: int = 0) -> int:
     """One part of a study from its workspace, in one go: the data stages through DVC (nothing when they are up to
     date), then `kvshot sweep --study STUDY --part PART` (a study without parts: its one part `(whole)`, the whole
-    study) and, when the part holds drafters the study decodes, `kvshot e2e` of those. The whole is timed into the workspace's parts record (scratch/parts.json, which the
-    report reads), with the data stages' share and whether the workspace was fresh; each command records its
-    own stage time too; `begun_before`: how many of the part's trials had begun before this run (a run resumed
-    after an interruption), whose time is then not the whole part's. Returns the first nonzero exit code, else 0."""
+    study) and, when the part holds drafters the study decodes, `kvshot e2e` of those. The whole is timed into
+    the workspace's parts record (scratch/parts.json, which the report reads), with the data stages' share,
+    whether the workspace was fresh and `begun_before`, how many of the part's trials had begun before this run
+    (a run resumed after an interruption: its time is then not the whole part's); each command records its own
+    stage time too. Returns the first nonzero exit code, else 0."""
     from pipeline.provenance import record_part
 
     root = ROOT if profile == "default" else prepare_workspace(cfg, profile)

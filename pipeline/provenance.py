@@ -69,10 +69,10 @@ def record_time(root: Path, command: str, seconds: float, machine: str | None = 
 def record_part(root: Path, part: str, seconds: float, data_stages_s: float, fresh: bool,
                 begun_before: int = 0) -> None:
     """Remember the latest run of a study part in one go (`STUDY/PART`): its whole wall time, the data stages'
-    share of it, whether they ran from a fresh workspace, how many of its trials had begun before it (a run resumed
-    after an interruption: its time is then not the whole part's), the commit and machine, and the hash of the decoding code its end-to-end rows
-    came from. Kept apart from the stage times, which hold the same work stage by stage
-    (the report's total sums those)."""
+    share of it, whether they ran from a fresh workspace, how many of its trials had begun before it (a run
+    resumed after an interruption: its time is then not the whole part's), the commit and machine, and the hash of
+    the decoding code its end-to-end rows came from. Kept apart from the stage times, which hold the same work
+    stage by stage (the report's total sums those)."""
     from stages.code_hash import DECODE_CODE, code_hash
 
     _update_json(Path(root) / PARTS, part, {"wall_s": round(seconds, 1), "data_stages_s": round(data_stages_s, 1),
