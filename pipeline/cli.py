@@ -166,6 +166,8 @@ def e2e(overrides: Optional[list[str]] = OverridesArg, profile: Optional[str] = 
         part: Optional[str] = PartOpt):
     """Tree speculative decoding with the trained drafters -> metrics/e2e.json."""
     def body():
+        import json
+
         from pipeline.plan_file import decoded_runs
         from stages import e2e as stage
         cfg, paths = _setup(profile, overrides, root, check=False)
@@ -180,10 +182,10 @@ def e2e(overrides: Optional[list[str]] = OverridesArg, profile: Optional[str] = 
                   f"{'study ' + study if study else 'the studies marked e2e'} has these settings")
         studies.update(Path(d).parent.name for d in run_dirs)
         # decoding some drafters (a study, a part) keeps the rows of the others decoded before in this workspace
-        keep = _rows_of_others(paths.e2e_metrics, run_dirs) if study is not None or wanted else []
         with stage_run(cfg, "e2e", paths) as report:
-            rows = stage.run(cfg.e2e, run_dirs, paths, report, target=cfg.target, keep=keep)
-        write_e2e_summary(paths, [*keep, *rows])
+            rows = stage.run(cfg.e2e, run_dirs, paths, report, target=cfg.target,
+                             keep_others=study is not None or bool(wanted))
+        write_e2e_summary(paths, json.loads(paths.e2e_metrics.read_text()))
         _print_e2e(rows)
     studies: set[str] = set()
     wanted: dict = {}
@@ -194,19 +196,6 @@ def e2e(overrides: Optional[list[str]] = OverridesArg, profile: Optional[str] = 
         from stages.report_provenance import study_key
         return study_key("e2e", "+".join(sorted(studies)), wanted) if studies else "e2e"
     _guarded(body, timed_as)
-
-
-def _rows_of_others(path: Path, run_dirs: list) -> list[dict]:
-    """The end-to-end rows in `path` of drafters other than those of `run_dirs` (by study and trial name)."""
-    import json
-
-    try:
-        rows = json.loads(path.read_text()) if path.is_file() else []
-    except json.JSONDecodeError as e:
-        raise ConfigError(f"{path}: not valid JSON ({e.msg}); move it aside to decode anew") from None
-    now = {(Path(d).parent.name, Path(d).name) for d in run_dirs}
-    return [r for r in rows if isinstance(r, dict) and (r.get("study"), r.get("trial")) not in now] \
-        if isinstance(rows, list) else []
 
 
 def _print_e2e(rows: list[dict]) -> None:

@@ -13,6 +13,7 @@ near-tie (top-2 logit gap <= tie_tolerance).
 """
 from __future__ import annotations
 
+import json
 from pathlib import Path
 from typing import Any, Callable, Literal
 
@@ -150,9 +151,10 @@ def _setting(run_dir: Path, config: dict, root: Path) -> dict[str, Any]:
 
 
 def run(params: E2EParams, run_dirs, paths: Paths, report: Report, *, target: TargetParams,
-        loaded_target: Any = None, keep: list[dict] = (), **_: Any) -> list[dict]:
-    """Decode with every drafter in `run_dirs`; writes metrics/e2e.json (after the `keep` rows, those of drafters
-    decoded before that this run leaves alone) and returns its own rows.
+        loaded_target: Any = None, keep_others: bool = False, **_: Any) -> list[dict]:
+    """Decode with every drafter in `run_dirs`; writes metrics/e2e.json (and metrics/engine.json) and returns its
+    own rows. `keep_others` (a run that decodes some drafters: a study, a part) keeps the files' rows of the other
+    drafters decoded before (`rows_of_others`), written first, so that an interruption loses none of them.
 
     Trees are tuned first (on prompts of their own, `split_prompts`); then every method decodes prompt by prompt,
     one method after another on the same prompt, so that a drift of the machine's speed during the run reaches every
@@ -196,8 +198,8 @@ def run(params: E2EParams, run_dirs, paths: Paths, report: Report, *, target: Ta
         rows.append(row)
         report({f"{row['trial']}/{kind}/{key}": float(row[key]) for key in   # one MLflow series per drafter
                 ("tau", "tokens_per_s", "speedup", "draft_time_share", "exact_match", "lossless")})
-    write_json_atomic(paths.e2e_metrics, [*keep, *rows])
-    serve_with_engines(params, run_dirs, settings, prompts, tgt, target, paths, report)
+    write_json_atomic(paths.e2e_metrics, [*(rows_of_others(paths.e2e_metrics, run_dirs) if keep_others else []), *rows])
+    serve_with_engines(params, run_dirs, settings, prompts, tgt, target, paths, report, keep_others)
     return rows
 
 
@@ -292,24 +294,37 @@ def baseline_fields(tally: dict[str, dict], params: E2EParams) -> dict[str, Any]
 
 
 def serve_with_engines(params: E2EParams, run_dirs: list[Path], settings: list[dict], prompts: list, tgt,
-                       target: TargetParams, paths: Paths, report: Report) -> list[dict]:
+                       target: TargetParams, paths: Paths, report: Report, keep_others: bool = False) -> list[dict]:
     """The serving engines of `e2e.engines` beside kvshot's loop (`stages.engine`); without one, the stage's
-    engine output is written empty."""
+    engine output holds no rows but the other drafters' (`keep_others`)."""
     from stages.common import StageProgress
+    from stages.engine_report import ENGINE_METRICS
 
+    keep = rows_of_others(paths.root / ENGINE_METRICS, run_dirs) if keep_others else []
     engine_rows: list[dict] = []
     if "vllm" in params.engines:
         from stages.engine import run_engines
 
         with StageProgress() as bar:
             engine_rows = run_engines(params.engine_draft_tokens, run_dirs, settings, prompts, tgt, target,
-                                      params.dtype, params.max_new_tokens, paths, bar, eager=params.engine_eager)
+                                      params.dtype, params.max_new_tokens, paths, bar, eager=params.engine_eager,
+                                      keep=keep)
         for row in engine_rows:
             if row["status"] == "ok":
                 report({f"{row['trial']}/vllm-k{row['draft_tokens']}/{key}": float(row[key])
                         for key in ("tau", "kvshot_tau", "speedup", "kvshot_speedup", "exact_match")})
     else:
-        from stages.engine_report import ENGINE_METRICS
-
-        write_json_atomic(paths.root / ENGINE_METRICS, engine_rows)     # the stage's output, empty without engines
+        write_json_atomic(paths.root / ENGINE_METRICS, keep)     # the stage's output: no rows of its own
     return engine_rows
+
+
+def rows_of_others(path: Path, run_dirs: list) -> list[dict]:
+    """The rows in a metrics file (`metrics/e2e.json`, `metrics/engine.json`) of drafters other than those of
+    `run_dirs` (by study and trial name); [] when there is no file."""
+    try:
+        rows = json.loads(path.read_text()) if path.is_file() else []
+    except json.JSONDecodeError as e:
+        raise StageError(f"{path}: not valid JSON ({e.msg}); move it aside to decode anew") from None
+    now = {(Path(d).parent.name, Path(d).name) for d in run_dirs}
+    return [r for r in rows if isinstance(r, dict) and (r.get("study"), r.get("trial")) not in now] \
+        if isinstance(rows, list) else []

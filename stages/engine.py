@@ -110,9 +110,10 @@ def engine_row(setting: dict, k: int, plain: dict, spec: dict, chain: list, gree
 
 def run_engines(draft_tokens: list[int], run_dirs: list[Path], settings: list[dict], prompts: list, tgt: Any,
                 target: TargetParams, dtype: str, n_new: int, paths: Paths, bar: Any = None,
-                eager: bool = False) -> list[dict]:
+                eager: bool = False, keep: list[dict] = ()) -> list[dict]:
     """Every drafter in `run_dirs` (with its e2e `settings` row fields) served by vLLM at each draft length and
-    decoded by kvshot alike on `prompts` (token-id tensors); writes and returns metrics/engine.json's rows."""
+    decoded by kvshot alike on `prompts` (token-id tensors); writes metrics/engine.json (after the `keep` rows, those
+    of other drafters served before) and returns its own rows."""
     from models.decoding import TreeSpec, greedy_generate, speculative_generate
     from stages import checkpoint as ckpt
     from stages import export as ex
@@ -166,5 +167,5 @@ def run_engines(draft_tokens: list[int], run_dirs: list[Path], settings: list[di
             rows.append({**engine_row(setting, k, plain_eager if own_route else plain, spec, chain, greedy), **common,
                          **route})
             advance()
-    write_json_atomic(paths.root / ENGINE_METRICS, rows)
+    write_json_atomic(paths.root / ENGINE_METRICS, [*keep, *rows])
     return rows

@@ -204,25 +204,6 @@ def test_a_profile_workspace_links_the_code_dvc_yaml_lists(tmp_path, monkeypatch
         share_code(tmp_path / "other")
 
 
-def test_decoding_some_drafters_keeps_the_rows_of_the_others(tmp_path):
-    """`kvshot e2e --study S` or `--part P` decodes some drafters: the workspace's rows of the others (another part,
-    another study) stay in metrics/e2e.json beside the new ones, those of the drafters decoded again are replaced."""
-    from pipeline.cli import _rows_of_others
-    from pipeline.config import ConfigError
-
-    path = tmp_path / "e2e.json"
-    assert _rows_of_others(path, []) == []
-    rows = [{"study": "block", "trial": "block-hidden", "tree_kind": "paper"},
-            {"study": "block", "trial": "block-kv", "tree_kind": "paper"},
-            {"study": "scale", "trial": "block-hidden", "tree_kind": "paper"}]
-    path.write_text(json.dumps(rows))
-    again = [tmp_path / "runs" / "block" / "block-hidden"]
-    assert _rows_of_others(path, again) == rows[1:]
-    path.write_text("[{")
-    with pytest.raises(ConfigError, match=r"e2e.json: not valid JSON .*; move it aside to decode anew"):
-        _rows_of_others(path, again)
-
-
 def test_repro_dry_run_says_where_each_part_stands(tmp_path):
     """`kvshot repro --part all --dry-run` in a workspace not made yet: every part of every study, in the order
     they run, none begun; creates nothing. (Parts done and begun: tests/test_repro.py.)"""

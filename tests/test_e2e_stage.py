@@ -33,11 +33,20 @@ def test_e2e_stage_writes_rows(tmp_path, run_dir, embedded_target, weights):
                        tree_candidates=[[2, 1, 3], [2, 2, 5]], prompt_lookup=True, lookup_tokens=4,
                        drafter_weights=weights)
     seen = []
+    # the files hold a row of another drafter and one of this drafter decoded before: a run decoding some drafters
+    # (`kvshot e2e --part`, here the int8 one) keeps the first and replaces the second; a whole run writes anew
+    keep = weights == "int8"
+    other, before = {"study": "block", "trial": "block-kv", "tau": 2.0}, {"study": "scale", "trial": "hybrid-small"}
+    (tmp_path / "metrics").mkdir()
+    for name in ("e2e.json", "engine.json"):
+        (tmp_path / "metrics" / name).write_text(json.dumps([other, before]))
     rows = run(params, [run_dir], Paths(tmp_path), lambda m, step=None: seen.append(m), target=TargetParams(),
-               loaded_target=embedded_target)
+               loaded_target=embedded_target, keep_others=keep)
     on_disk = json.loads((tmp_path / "metrics" / "e2e.json").read_text())
-    assert json.loads((tmp_path / "metrics" / "engine.json").read_text()) == []     # no serving engine asked for
-    assert on_disk == json.loads(json.dumps(rows)) and [r["tree_kind"] for r in rows] == ["tuned", "tuned_lookup", "paper"]
+    kept = [other] if keep else []
+    assert json.loads((tmp_path / "metrics" / "engine.json").read_text()) == kept   # no serving engine asked for
+    assert on_disk == kept + json.loads(json.dumps(rows))
+    assert [r["tree_kind"] for r in rows] == ["tuned", "tuned_lookup", "paper"]
     for r in rows:
         assert r["trial"] == "hybrid-small" and r["variant"] == "hybrid" and r["scale"] == "small"
         assert r["drafter_weights"] == weights
@@ -98,3 +107,25 @@ def test_e2e_stage_decodes_a_block_drafter_with_its_own_trees(tmp_path, embedded
     assert rows[0]["variant"] == "block" and rows[0]["context"] == "kv" and rows[0]["study"] == "block"
     assert tuple(rows[0]["tree"]) in {(3, 1, 4), (2, 2, 5)} and all(r["lossless"] for r in rows)
     assert len(rows[0]["per_prompt"]["rounds"]) == 1
+
+
+def test_decoding_some_drafters_keeps_the_rows_of_the_others(tmp_path):
+    """`kvshot e2e --study S` or `--part P` decodes some drafters: the workspace's rows of the others (another part,
+    another study) stay in metrics/e2e.json and metrics/engine.json beside the new ones, those of the drafters
+    decoded again are replaced."""
+    import json
+
+    from stages.common import StageError
+    from stages.e2e import rows_of_others
+
+    path = tmp_path / "e2e.json"
+    assert rows_of_others(path, []) == []
+    rows = [{"study": "block", "trial": "block-hidden", "tree_kind": "paper"},
+            {"study": "block", "trial": "block-kv", "tree_kind": "paper"},
+            {"study": "scale", "trial": "block-hidden", "tree_kind": "paper"}]
+    path.write_text(json.dumps(rows))
+    again = [tmp_path / "runs" / "block" / "block-hidden"]
+    assert rows_of_others(path, again) == rows[1:]
+    path.write_text("[{")
+    with pytest.raises(StageError, match=r"e2e.json: not valid JSON .*; move it aside to decode anew"):
+        rows_of_others(path, again)
