@@ -20,7 +20,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from pipeline.budget import replayed_parts  # noqa: E402
 from pipeline.config import load_config  # noqa: E402
-from stages.report_provenance import study_key  # noqa: E402
+from stages.report_provenance import DATA_STAGE_NAMES, study_key  # noqa: E402
 
 
 def main() -> None:
@@ -30,7 +30,7 @@ def main() -> None:
     args = ap.parse_args()
     cfg = load_config(args.profile)
     times = json.loads((args.results / "timings.json").read_text())
-    data_s = sum(times.get(k, 0.0) for k in ("prepare", "regenerate", "features"))
+    data_s = sum(times.get(k, 0.0) for k in DATA_STAGE_NAMES)
     parts_file = args.results / "parts.json"
     in_one_go = json.loads(parts_file.read_text()) if parts_file.is_file() else {}
     print(f"data stages as recorded: {data_s / 60:.1f} min; slots: {cfg.ray.max_concurrent}")

@@ -18,7 +18,6 @@ WHOLE = "(whole)"   # the one part of a study that names none
 ALL = "all"
 
 
-
 def config_matches(config: Config | dict, only: dict[str, list[Any]]) -> bool:
     """Whether a resolved config (or its dump, as a plan file holds it) takes one of the allowed values of every
     key of `only` (KEY -> values)."""

@@ -22,15 +22,17 @@ from stages.common import Paths
 @dataclass
 class PartState:
     """Where a part stands in the workspace: its trials (with the parents and controls they need), whether the
-    study decodes some of them, how many are finished (same fingerprint) and begun (a run directory of their
-    fingerprint), its record when done (`done_part`), and why it cannot start yet (a value its validation study
-    has not chosen)."""
+    study decodes some of them, how many are finished (same fingerprint, in this study or adopted from another),
+    begun here (a run directory of their fingerprint: what a run of the part resumes) and begun but not finished,
+    its record when done (`done_part`), and why it cannot start yet (a value its validation study has not
+    chosen)."""
     study: str
     part: str
     trials: list[Trial]
     decode: bool
     finished: int
     begun: int
+    in_progress: int
     done: dict | None
     waits: str | None
 
@@ -45,10 +47,11 @@ class PartState:
                     f"; {self.done.get('wall_s', 0) / 60:.1f} min in one go on {self.done.get('date', '?')})")
         if self.waits:
             return f"part {self.name}: waits ({self.waits})"
-        if not self.begun:
+        if not self.finished and not self.in_progress:
             return f"part {self.name}: not begun ({n} trials{', decoded' if self.decode else ''})"
-        return (f"part {self.name}: {self.finished} of {n} trials finished, {self.begun - self.finished} more begun"
-                f"{'; then decoded' if self.decode else ''}")
+        more = f", {self.in_progress} more begun" if self.in_progress else ""
+        then = "; then decoded" if self.decode else ""
+        return f"part {self.name}: {self.finished} of {n} trials finished{more}{then}"
 
 
 def part_state(cfg: Config, profile: str, study: str, part: str) -> PartState:
@@ -66,8 +69,10 @@ def part_state(cfg: Config, profile: str, study: str, part: str) -> PartState:
     decode = decodes_any(cfg, study, mine)
     here = ws.root.is_dir()
     finished = rows_of(mine) if here else {}
-    return PartState(study, part, mine, decode, len(finished), sum(begun(t, ws) for t in mine) if here else 0,
-                     done_part(ws.root, study, part, mine, finished, decode), waits)
+    started = [t.name for t in mine if here and begun(t, ws)]
+    done = done_part(ws.root, study, part, mine, finished, decode)
+    return PartState(study, part, mine, decode, len(finished), len(started),
+                     sum(name not in finished for name in started), done, waits)
 
 
 def run_part(cfg: Config, profile: str, state: PartState, echo=lambda line: None) -> int:

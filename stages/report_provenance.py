@@ -161,13 +161,13 @@ def _replayed_text(got: dict) -> str:
     return "–"
 
 
-_DATA_STAGES = ("prepare", "regenerate", "features")
+DATA_STAGE_NAMES = ("prepare", "regenerate", "features")   # their times, in order of running
 
 
 def _data_stages_s(context: dict) -> float | None:
     """The data stages' wall time as the workspace last ran them (None unless all three are recorded)."""
     times = context.get("stage_times_s") if isinstance(context.get("stage_times_s"), dict) else {}
-    found = [times.get(s) for s in _DATA_STAGES]
+    found = [times.get(s) for s in DATA_STAGE_NAMES]
     return sum(found) if all(isinstance(t, (int, float)) for t in found) else None
 
 

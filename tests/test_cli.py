@@ -218,3 +218,17 @@ def test_repro_dry_run_says_where_each_part_stands(tmp_path):
         "part hybrid/(whole): not begun (3 trials)", "part scale/(whole): not begun (3 trials, decoded)",
         "part block/blocks: not begun (2 trials, decoded)", "part block/autoregressive: not begun (2 trials)"]
     assert list(tmp_path.iterdir()) == []
+
+
+def test_a_part_line_counts_trials_adopted_from_another_study_as_finished_not_begun():
+    """A part's trial finished in another study (adopted, no run directory here) is finished, and nothing in
+    progress is made of it; trials begun here and not finished are 'more begun'."""
+    from pipeline.repro_parts import PartState
+
+    state = PartState("block", "ar-seed1", [object()] * 5, False, finished=2, begun=1, in_progress=0, done=None,
+                      waits=None)
+    assert state.line() == "part block/ar-seed1: 2 of 5 trials finished"
+    state.in_progress, state.decode = 2, True
+    assert state.line() == "part block/ar-seed1: 2 of 5 trials finished, 2 more begun; then decoded"
+    state.finished = state.in_progress = 0
+    assert state.line() == "part block/ar-seed1: not begun (5 trials, decoded)"
