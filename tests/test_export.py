@@ -3,9 +3,7 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -656,35 +654,17 @@ print(json.dumps({"aux": model.config.eagle_aux_hidden_state_layer_ids, "fc_norm
 '''
 
 
-def speculators_python(tmp_root: Path) -> str:
-    """A python with the speculators package: $KVSHOT_SPECULATORS_PYTHON, else a scratch venv built once (pip
-    from the package registry, torch pinned to the one running here so no other build is pulled); skips the
-    test when neither can be had."""
+def speculators_python() -> str:
+    """A python with the speculators package: $KVSHOT_SPECULATORS_PYTHON, else the serving engine's environment
+    with it added (tests/vllm_env.py); skips the test when neither can be had."""
     given = os.environ.get(SPEC_ENV_VAR)
     if given:
         if not Path(given).is_file():
             pytest.skip(f"{SPEC_ENV_VAR}={given}: no such interpreter")
         return given
-    env = ROOT / "scratch" / "speculators-env"
-    py = env / "bin" / "python"
-    if py.is_file() and subprocess.run([str(py), "-c", "import speculators"], capture_output=True).returncode == 0:
-        return str(py)
-    torch_pin = f"torch=={torch.__version__.split('+')[0]}"
-    try:
-        subprocess.run([sys.executable, "-m", "venv", "--clear", str(env)], check=True, capture_output=True,
-                       timeout=120)
-        subprocess.run([str(py), "-m", "pip", "install", "-q", "speculators", torch_pin], check=True,
-                       capture_output=True, timeout=900)
-        # the registry's torchvision/torchaudio wheels (pulled in for speculators' multimodal data paths) are
-        # built against another torch than the CPU one pinned here and break `import transformers`; the
-        # EAGLE-3 config and model classes need neither
-        subprocess.run([str(py), "-m", "pip", "uninstall", "-y", "-q", "torchvision", "torchaudio"],
-                       capture_output=True, timeout=120)
-    except (subprocess.SubprocessError, OSError) as exc:
-        shutil.rmtree(env, ignore_errors=True)
-        pytest.skip(f"speculators cannot be installed in a scratch environment ({type(exc).__name__}); "
-                    f"set {SPEC_ENV_VAR} to a python that has it")
-    return str(py)
+    from tests.vllm_env import speculators_python as engine_speculators_python
+
+    return str(engine_speculators_python())
 
 
 @pytest.mark.slow
@@ -694,7 +674,7 @@ def test_speculators_package_loads_the_export_and_agrees(tmp_path, target, kw):
     its teacher-forced TTT forward gives kvshot's logits (fp32) and the same top-1 at every position and step."""
     from safetensors.torch import save_file
 
-    python = speculators_python(tmp_path)
+    python = speculators_python()
     model_dir = tmp_path / "verifier"
     target.model.save_pretrained(model_dir)          # speculators reads the verifier's config (no hub access)
     drafter = drafter_for(target, seed=7, **kw)
