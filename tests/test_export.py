@@ -626,7 +626,6 @@ def test_cli_bad_input_is_one_line_and_exit_2(tmp_path, target, args, needle):
 
 # -- the speculators package itself (slow: a scratch environment) -------------------------------------------------
 
-SPEC_ENV_VAR = "KVSHOT_SPECULATORS_PYTHON"
 SPEC_SCRIPT = r'''
 import json, sys
 import torch
@@ -654,19 +653,6 @@ print(json.dumps({"aux": model.config.eagle_aux_hidden_state_layer_ids, "fc_norm
 '''
 
 
-def speculators_python() -> str:
-    """A python with the speculators package: $KVSHOT_SPECULATORS_PYTHON, else the serving engine's environment
-    with it added (tests/vllm_env.py); skips the test when neither can be had."""
-    given = os.environ.get(SPEC_ENV_VAR)
-    if given:
-        if not Path(given).is_file():
-            pytest.skip(f"{SPEC_ENV_VAR}={given}: no such interpreter")
-        return given
-    from tests.vllm_env import speculators_python as engine_speculators_python
-
-    return str(engine_speculators_python())
-
-
 @pytest.mark.slow
 @pytest.mark.parametrize("kw", [{}, dict(depth=2, fc_norm=True, norm_output=True)], ids=["plain", "eagle31-d2"])
 def test_speculators_package_loads_the_export_and_agrees(tmp_path, target, kw):
@@ -674,7 +660,9 @@ def test_speculators_package_loads_the_export_and_agrees(tmp_path, target, kw):
     its teacher-forced TTT forward gives kvshot's logits (fp32) and the same top-1 at every position and step."""
     from safetensors.torch import save_file
 
-    python = speculators_python()
+    from tests.vllm_env import speculators_python
+
+    python = str(speculators_python())
     model_dir = tmp_path / "verifier"
     target.model.save_pretrained(model_dir)          # speculators reads the verifier's config (no hub access)
     drafter = drafter_for(target, seed=7, **kw)

@@ -6,6 +6,7 @@ engine's torch and transformers, so one environment serves both tests and a fres
 from __future__ import annotations
 
 import functools
+import os
 import subprocess
 from pathlib import Path
 
@@ -17,6 +18,7 @@ from stages.engine_env import ROOT, engine_env  # noqa: F401  (the tests' import
 from stages.engine_env import vllm_python as _vllm_python
 
 SPECULATORS_PIN = "speculators==0.9.0"
+SPECULATORS_ENV_VAR = "KVSHOT_SPECULATORS_PYTHON"    # a python that has it already
 
 
 @functools.cache          # found once per test session (each check imports vLLM: seconds)
@@ -34,9 +36,15 @@ def _imports_speculators(python: Path) -> bool:
 
 @functools.cache
 def speculators_python() -> Path:
-    """The engine's python with vllm-project's `speculators` added once (its torch pinned, so pip pulls no other
-    build; the GPU companion packages it brings are removed again, as when the environment was built); the
-    calling test is skipped with the reason where that cannot be had."""
+    """A python with vllm-project's `speculators`: $KVSHOT_SPECULATORS_PYTHON, else the engine's python with it
+    added once (its torch pinned, so pip pulls no other build; the GPU companion packages it brings are removed
+    again, as when the environment was built); the calling test is skipped with the reason where neither can be
+    had."""
+    given = os.environ.get(SPECULATORS_ENV_VAR)
+    if given:
+        if not Path(given).is_file():
+            pytest.skip(f"{SPECULATORS_ENV_VAR}={given}: no such interpreter")
+        return Path(given)
     python = vllm_python()
     if _imports_speculators(python):
         return python
@@ -45,11 +53,12 @@ def speculators_python() -> Path:
     try:
         subprocess.run([str(python), "-m", "pip", "install", "-q", SPECULATORS_PIN, f"torch=={torch_version}"],
                        check=True, capture_output=True, timeout=900)
-        subprocess.run([str(python), "-m", "pip", "uninstall", "-y", "-q", *GPU_COMPANIONS], capture_output=True,
-                       timeout=300)
     except (subprocess.SubprocessError, OSError) as exc:
         pytest.skip(f"{SPECULATORS_PIN} cannot be installed beside vLLM in {python.parent.parent} "
                     f"({type(exc).__name__}; no package registry?)")
+    finally:   # a half-finished install may have brought them too: vLLM does not import while they are there
+        subprocess.run([str(python), "-m", "pip", "uninstall", "-y", "-q", *GPU_COMPANIONS], capture_output=True,
+                       timeout=300)
     if not (_imports_speculators(python) and works(python)):
         pytest.skip(f"{python.parent.parent}: {SPECULATORS_PIN} installed but it or vLLM does not import")
     return python
