@@ -353,13 +353,14 @@ def expand_grid(base: Config, axes: dict[str, list[Any]]) -> list[tuple[dict[str
 
 
 def check_hardware(cfg: Config) -> None:
-    """Fail fast, before any work, when the profile needs a GPU this machine lacks."""
-    import torch
+    """Fail fast, before any work, when the profile needs a GPU this machine lacks. Imports torch only where it
+    must ask it (a GPU, or bf16 on a CPU): `kvshot repro`, which only runs DVC, stays without it."""
+    if cfg.require_cuda or cfg.target.device.startswith("cuda"):
+        import torch
 
-    wants_cuda = cfg.require_cuda or cfg.target.device.startswith("cuda")
-    if wants_cuda and not torch.cuda.is_available():
-        raise ConfigError(f"profile {cfg.profile!r} needs a CUDA GPU (target.device={cfg.target.device!r}) "
-                          "and none is available on this machine")
+        if not torch.cuda.is_available():
+            raise ConfigError(f"profile {cfg.profile!r} needs a CUDA GPU (target.device={cfg.target.device!r}) "
+                              "and none is available on this machine")
     note = precision_warning(cfg)
     if note and os.environ.get(WARNED_ENV) != note:
         os.environ[WARNED_ENV] = note           # inherited: `kvshot repro`'s stages do not print it again
@@ -372,16 +373,16 @@ WARNED_ENV = "KVSHOT_PRECISION_WARNED"
 def precision_warning(cfg: Config, native: bool | None = None) -> str | None:
     """One line when the config computes in bf16 on a CPU that only emulates it (no AVX512_BF16 / AMX), where
     bf16 runs several times slower than fp32; `native` overrides the detection (tests). None when all is well."""
-    from models.target import resolve_device
-    from stages.common import native_bf16
-
-    if cfg.target.device.startswith("cuda") or resolve_device(cfg.target.device) != "cpu":
-        return None
     # the forwards over whole conversations (features) and training are where emulation costs (4-25x); decode
     # steps, a few rows each, cost about the same in both, so e2e.dtype is left out
     keys = [k for k, bf16 in (("target.dtype", cfg.target.dtype != "float32"),
                               ("train.precision", cfg.train.precision == "bf16")) if bf16]
-    if not keys or (native if native is not None else native_bf16("cpu")):
+    if not keys or cfg.target.device.startswith("cuda"):
+        return None                    # nothing to ask torch (it is imported only past here)
+    from models.target import resolve_device
+    from stages.common import native_bf16
+
+    if resolve_device(cfg.target.device) != "cpu" or (native if native is not None else native_bf16("cpu")):
         return None
     fix = " ".join({"target.dtype": "target.dtype=float32", "train.precision": "train.precision=fp32"}[k]
                    for k in keys)
