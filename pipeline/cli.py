@@ -415,13 +415,22 @@ def repro(profile: Optional[str] = ProfileOpt,
                                                    "order; STUDY: each part of it; all: each part of every study. "
                                                    "A part done in this workspace is skipped."),
           dry_run: bool = typer.Option(False, "--dry-run", help="With --part: where each part stands in the "
-                                       "workspace (done, begun, waiting); run nothing.")):
+                                       "workspace (done, begun, waiting); run nothing."),
+          fast_dev_run: bool = typer.Option(False, "--fast-dev-run", help="The same studies, parts and stages at "
+                                            "the smoke profile's sizes, in fp32, in the workspace "
+                                            "<profile>-fast-dev-run: the whole path in minutes before a long "
+                                            "run (the numbers mean nothing).")):
     """The whole DAG through DVC. The default profile runs in the project root; any other profile in its own
     workspace scratch/workspaces/<profile>/ (a YAML path: its file name without .yaml), whose params.yaml is the
     resolved profile (so DVC tracks it)."""
     def body():
         from pipeline.dvc_workspace import repro as run_repro
+        nonlocal profile
         cfg = load_config(profile if profile not in (None, "") else "default")
+        if fast_dev_run:
+            from pipeline.fast_dev_run import shrink, workspace_name
+            profile = workspace_name(profile)
+            cfg = shrink(cfg, profile)
         # the arguments first, so bad input is one line; then the hardware check (which may warn)
         if part:
             if stage or force:

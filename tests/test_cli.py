@@ -232,3 +232,23 @@ def test_a_part_line_counts_trials_adopted_from_another_study_as_finished_not_be
     assert state.line() == "part block/ar-seed1: 2 of 5 trials finished, 2 more begun; then decoded"
     state.finished = state.in_progress = 0
     assert state.line() == "part block/ar-seed1: not begun (5 trials, decoded)"
+
+
+def test_a_fast_dev_run_has_the_profiles_parts_in_a_workspace_of_its_own(tmp_path):
+    """`kvshot repro --fast-dev-run`: the study profile's every part, with the same trials, at the smoke sizes (the
+    plan's equality: tests/test_profiles.py), in the workspace study-fast-dev-run; a dry run creates nothing."""
+    import os
+
+    env = dict(os.environ, KVSHOT_WORKSPACES=str(tmp_path))
+
+    def dry(*flags: str) -> list[str]:
+        out = subprocess.run(KVSHOT + ["repro", "--profile", "study", "--part", "all", "--dry-run", *flags], cwd=ROOT,
+                             env=env, capture_output=True, text=True, timeout=300)
+        assert out.returncode == 0, out.stderr
+        return out.stdout.splitlines()
+
+    lines = dry("--fast-dev-run")
+    assert len(lines) == 24 and lines == dry()
+    assert list(tmp_path.iterdir()) == []
+    out = subprocess.run(KVSHOT + ["repro", "--help"], capture_output=True, text=True, timeout=300)
+    assert "--fast-dev-run" in out.stdout
