@@ -255,7 +255,7 @@ def _merge(base: dict, over: dict) -> dict:
     return out
 
 
-def validate_tree(tree: dict, origin: str) -> Config:
+def _validate(tree: dict, origin: str) -> Config:
     try:
         return Config.model_validate(tree)
     except ValidationError as exc:
@@ -330,7 +330,7 @@ def load_config(profile: str | None = None, overrides: list[str] | None = None, 
     tree = load_tree(profile, root)
     for key, (value,) in axes.items():
         _set(tree, key, value)
-    return validate_tree(tree, f"profile {profile or 'default'}")
+    return _validate(tree, f"profile {profile or 'default'}")
 
 
 def with_values(base: Config, values: dict[str, Any], origin: str = "override") -> Config:
@@ -338,7 +338,7 @@ def with_values(base: Config, values: dict[str, Any], origin: str = "override") 
     tree = base.model_dump()
     for key, value in values.items():
         _set(tree, resolve_key(key), value)
-    return validate_tree(tree, origin)
+    return _validate(tree, origin)
 
 
 def expand_grid(base: Config, axes: dict[str, list[Any]]) -> list[tuple[dict[str, Any], Config]]:

@@ -14,9 +14,8 @@ tiny trials cannot be adopted by the real run (their configs, and so their finge
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any
 
-from pipeline.config import Config, load_config, validate_tree
+from pipeline.config import Config, flatten, load_config, with_values
 
 SUFFIX = "-fast-dev-run"
 SIZES_FROM = "smoke"    # the profile whose sizes a fast dev run takes
@@ -35,21 +34,6 @@ SIZE_KEYS = (
 VALIDATION_MAX = 4      # conversations a validation study evaluates on (beyond the smallest scale)
 
 
-def _get(tree: dict, key: str) -> Any:
-    node = tree
-    for part in key.split("."):
-        node = node[part]
-    return node
-
-
-def _put(tree: dict, key: str, value: Any) -> None:
-    *path, last = key.split(".")
-    node = tree
-    for part in path:
-        node = node.setdefault(part, {})
-    node[last] = value
-
-
 def workspace_name(profile: str | None) -> str:
     """The fast dev run's profile (and workspace) name: the profile's name (a YAML path's file name) + suffix."""
     name = profile or "default"
@@ -60,25 +44,23 @@ def shrink(cfg: Config, name: str) -> Config:
     """`cfg` at the smoke profile's sizes (SIZE_KEYS; each scale and source cap from the smoke profile's, in size
     order; validation studies on at most VALIDATION_MAX conversations), named `name`: the same studies, parts
     and relations, so the same trials run."""
-    tree = cfg.model_dump(mode="json")
-    small = load_config(SIZES_FROM).model_dump(mode="json")
-    for key in SIZE_KEYS:
-        _put(tree, key, _get(small, key))
+    smoke = load_config(SIZES_FROM)
+    flat = flatten(smoke)
+    values = {key: flat[key] for key in SIZE_KEYS}
     # the scales keep their names (studies name them), ranked by size onto the smoke sizes (doubling past them)
-    sizes = sorted(small["data"]["scales"].values())
-    for rank, scale in enumerate(sorted(tree["data"]["scales"], key=tree["data"]["scales"].get)):
-        tree["data"]["scales"][scale] = sizes[rank] if rank < len(sizes) else sizes[-1] * 2 ** (rank - len(sizes) + 1)
-    cap = max(s["max_conversations"] or 0 for s in small["data"]["sources"].values())
-    for source in tree["data"]["sources"].values():
-        source["max_conversations"] = cap
-    if tree["regenerate"].get("original_answers_from") is not None:   # keep both kinds of rows in training
-        tree["regenerate"]["original_answers_from"] = min(tree["data"]["scales"].values())
-    for study in tree["studies"].values():
-        if study.get("validation"):
-            study["validation"] = min(study["validation"], VALIDATION_MAX)
-    tree["profile"] = name
-    tree["report"]["title"] = f"{tree['report']['title']} (fast dev run: smoke sizes, the numbers mean nothing)"
-    return validate_tree(tree, f"profile {name}")
+    sizes = sorted(smoke.data.scales.values())
+    scales = {scale: sizes[rank] if rank < len(sizes) else sizes[-1] * 2 ** (rank - len(sizes) + 1)
+              for rank, scale in enumerate(sorted(cfg.data.scales, key=cfg.data.scales.get))}
+    values.update({f"data.scales.{scale}": size for scale, size in scales.items()})
+    cap = max(s.max_conversations or 0 for s in smoke.data.sources.values())
+    values.update({f"data.sources.{source}.max_conversations": cap for source in cfg.data.sources})
+    if cfg.regenerate.original_answers_from is not None:     # keep both kinds of rows in training
+        values["regenerate.original_answers_from"] = min(scales.values())
+    values.update({f"studies.{study}.validation": min(s.validation, VALIDATION_MAX)
+                   for study, s in cfg.studies.items() if s.validation})
+    values["profile"] = name
+    values["report.title"] = f"{cfg.report.title} (fast dev run: smoke sizes, the numbers mean nothing)"
+    return with_values(cfg, values, origin=f"profile {name}")
 
 
 __all__ = ["SIZE_KEYS", "SUFFIX", "shrink", "workspace_name"]

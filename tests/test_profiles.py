@@ -89,22 +89,19 @@ def _shape(cfg, study: str) -> list[tuple]:
 def test_a_fast_dev_run_plans_the_same_trials_at_the_smoke_sizes(profile):
     """`kvshot repro --fast-dev-run`: every study, trial, parent, role and part of the profile, at the smoke
     profile's sizes and in fp32, under a name (so a workspace) of its own."""
-    from functools import reduce
-
+    from pipeline.config import flatten
     from pipeline.fast_dev_run import SIZE_KEYS, shrink, workspace_name
 
-    def get(tree: dict, key: str):
-        return reduce(lambda node, part: node[part], key.split("."), tree)
-
-    cfg, smoke = load_config(profile), load_config("smoke").model_dump(mode="json")
+    cfg, smoke_cfg = load_config(profile), load_config("smoke")
+    smoke = flatten(smoke_cfg)
     name = workspace_name(profile)
     assert name == f"{profile}-fast-dev-run" and workspace_name(f"/x/{profile}.yaml") == name
     small = shrink(cfg, name)
-    tree = small.model_dump(mode="json")
+    tree = flatten(small)
     assert small.profile == name and small.target.dtype == "float32" and small.train.precision == "fp32"
-    assert all(get(tree, key) == get(smoke, key) for key in SIZE_KEYS)
+    assert all(tree[key] == smoke[key] for key in SIZE_KEYS)
     assert list(small.data.scales) == list(cfg.data.scales)          # the names studies use, smoke's sizes
-    assert sorted(small.data.scales.values())[:2] == sorted(smoke["data"]["scales"].values())[:len(cfg.data.scales)]
+    assert sorted(small.data.scales.values())[:2] == sorted(smoke_cfg.data.scales.values())[:len(cfg.data.scales)]
     assert all(s.max_conversations == 60 for s in small.data.sources.values())
     assert small.train.epochs == cfg.train.epochs and small.e2e.paper_tree == cfg.e2e.paper_tree
     assert {k: s.model_dump(exclude={"validation"}) for k, s in small.studies.items()} == \

@@ -272,8 +272,8 @@ def test_parts_that_leave_a_trial_out_or_match_nothing_are_one_line_errors():
         part_filter(cfg, "injection", "x")
     tree["studies"]["depth"]["parts"] = {"two words": {"seed": [0]}}
     with pytest.raises(ConfigError, match=r"studies.depth.parts: Value error, part name 'two words'"):
-        from pipeline.config import validate_tree
-        validate_tree(tree, "profile x")
+        from pipeline.config import _validate
+        _validate(tree, "profile x")
 
 
 def test_bad_plans_are_one_line_errors():
