@@ -12,16 +12,28 @@ validation study's parts to run first (`pipeline.sweep.check_chosen`). The plann
 (`pipeline.plan.plan(..., rows_of=...)`), so a chosen value is part of the trial's resolved config and fingerprint:
 a validation study rerun with another outcome retrains the trials whose value it changes. Trial names stay the
 same (the chosen value is not one of the values that name a trial).
+
+A study run in parts over sessions may run its validation study in other workspaces than the study choosing from
+it: the validation rows committed in the profile's results folder (`kvshot study-results`) then count as finished
+in a workspace that did not run them (`committed_rows`), where they are that workspace's trials: the same config
+and code (the row's fingerprint recomputed with the trial's config, the current code and the row's own data
+hashes; the feature cache of another CPU differs in bf16 rounding) on the same conversations and validation set.
 """
 from __future__ import annotations
 
+import hashlib
+import json
 import math
 from dataclasses import dataclass
-from typing import Any, Callable
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Callable
 
 from pipeline.config import Config, ConfigError, lookup, resolve_key, settings_key
 from pipeline.fingerprint import TRIAL_SECTIONS
 from pipeline.trial import Trial
+
+if TYPE_CHECKING:
+    from stages.common import Paths
 
 # Besides the chosen key, what may differ between a trial and the validation trials of its arm.
 ARM_FREE = ("train.seed", "eval.data")
@@ -115,4 +127,47 @@ def choose(cfg: Config, key: str, by: str, candidates: list[Trial], rows: dict[s
     return Choice(key, by, values[best], scores)
 
 
-__all__ = ["Choice", "RowsOf", "choose", "chosen_keys"]
+def committed_rows(trials: list[Trial], results: Path, paths: "Paths") -> dict[str, dict]:
+    """The finished rows of `trials` (fingerprinted in the workspace `paths`) committed in a results folder
+    (results/<profile>/metrics/stepwise/<study>.json) that stand for them here: the same config and code, and the
+    same conversations and validation set as the workspace's (see the module doc). Trials with a parent never
+    match (their parent's fingerprint holds its own feature cache's hash). Reads only."""
+    from pipeline.fingerprint import MISSING, fingerprint
+    from stages.code_hash import code_hash
+
+    committed: dict[str, dict[str, dict]] = {}
+    sets: dict[str, str] = {}
+    found: dict[str, dict] = {}
+    for t in trials:
+        conversations = {k: v for k, v in (t.data_hashes or {}).items() if k.startswith("regenerated/")}
+        if t.depends_on or not conversations or MISSING in conversations.values():
+            continue        # a workspace without its conversations yet cannot tell which rows are its own
+        if t.study not in committed:
+            path = Path(results) / "metrics" / "stepwise" / f"{t.study}.json"
+            rows = json.loads(path.read_text()) if path.is_file() else []
+            committed[t.study] = {r.get("trial"): r for r in rows if isinstance(r, dict) and r.get("status") == "ok"}
+        row = committed[t.study].get(t.name)
+        if row is None or row.get("code") != code_hash() or not isinstance(row.get("data"), dict):
+            continue
+        if t.config.eval.data and t.config.eval.data not in sets:
+            sets[t.config.eval.data] = _validation_hash(t, paths)
+        mine = {**conversations, **({"eval": sets[t.config.eval.data]} if t.config.eval.data else {})}
+        if all(row["data"].get(k) == v for k, v in mine.items()) and \
+                fingerprint(t.config, row["data"], None, row["code"]) == row.get("fingerprint"):
+            found[t.name] = row
+    return found
+
+
+def _validation_hash(trial: Trial, paths: "Paths") -> str:
+    """The hash of the file a trial evaluates on as the workspace would write it (the validation study's sweep
+    writes it; a workspace that did not run that study has none)."""
+    from pipeline.fingerprint import MISSING
+    from stages import validation
+
+    spec = validation.parse(trial.config.eval.data)
+    if spec is None:
+        return (trial.data_hashes or {}).get("eval", MISSING)
+    return "sha256:" + hashlib.sha256(validation.content(paths, trial.config.data, *spec).encode()).hexdigest()
+
+
+__all__ = ["Choice", "RowsOf", "choose", "chosen_keys", "committed_rows"]

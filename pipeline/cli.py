@@ -294,13 +294,14 @@ def study_results(workspace: Path = typer.Argument(..., help="A study workspace,
             cfg = load_config(profile, [], root=merged.root)
             paths = Paths(root=merged.root)
             stage.run(cfg.report, {**provenance(cfg, paths), "regenerated": True}, paths, lambda metrics: None)
-            merge.install(merged.root, workspace, into)
+            answers = merge.install(merged.root, workspace, into)
         kept = f"; kept as committed: {', '.join(merged.kept)}" if merged.kept else ""
         kept += (f"; combined with their committed rows on the same conversations: {', '.join(merged.combined)}"
                  if merged.combined else "")
         console.print(f"{into}: studies from {workspace}: {', '.join(merged.from_workspace)}{kept}; "
                       f"e2e: {merged.e2e}; "
-                      f"report regenerated", highlight=False, soft_wrap=True)
+                      + (f"the target's answers of {', '.join(answers)} committed (later parts start from them); "
+                         if answers else "") + "report regenerated", highlight=False, soft_wrap=True)
     _guarded(body)
 
 
@@ -318,6 +319,7 @@ def sweep(overrides: Optional[list[str]] = OverridesArg, profile: Optional[str] 
         from pipeline.console import show_parts, show_plan
         from pipeline.parts import check_parts, plan_part
         from pipeline.plan import plan
+        from pipeline.conversations import results_folder
         from pipeline.sweep import check_chosen, finished_rows_in, run_sweep
         from stages.common import Paths
 
@@ -327,7 +329,7 @@ def sweep(overrides: Optional[list[str]] = OverridesArg, profile: Optional[str] 
         axes = parse_overrides(overrides or [])
         cache = os.environ.get("KVSHOT_MODEL_CACHE")
         paths = Paths(root=rootp, cache=Path(cache) if cache else None)
-        trials = plan(cfg, axes, study, rows_of=finished_rows_in(paths))
+        trials = plan(cfg, axes, study, rows_of=finished_rows_in(paths, results_folder(cfg)))
         parts = {} if axes else check_parts(trials, cfg, study)
         wanted.update(_part_or_only(cfg, study, part, only))
         whole = trials
@@ -419,7 +421,12 @@ def repro(profile: Optional[str] = ProfileOpt,
           fast_dev_run: bool = typer.Option(False, "--fast-dev-run", help="The same studies, parts and stages at "
                                             "the smoke profile's sizes, in fp32, in the workspace "
                                             "<profile>-fast-dev-run: the whole path in minutes before a long "
-                                            "run (the numbers mean nothing).")):
+                                            "run (the numbers mean nothing)."),
+          fresh_answers: bool = typer.Option(False, "--fresh-answers", help="Let the target answer every "
+                                             "conversation on this machine, instead of starting a new "
+                                             "workspace from the answers committed in results/<profile>/"
+                                             "conversations/ (which keep a study's parts on the same "
+                                             "conversations).")):
     """The whole DAG through DVC. The default profile runs in the project root; any other profile in its own
     workspace scratch/workspaces/<profile>/ (a YAML path: its file name without .yaml), whose params.yaml is the
     resolved profile (so DVC tracks it)."""
@@ -435,7 +442,7 @@ def repro(profile: Optional[str] = ProfileOpt,
         if part:
             if stage or force:
                 raise ConfigError(f"--part {part[0]}: runs on its own, without --stage or --force")
-            _repro_parts(cfg, profile or "default", part, dry_run)
+            _repro_parts(cfg, profile or "default", part, dry_run, committed_answers=not fresh_answers)
             return
         if dry_run:
             raise ConfigError("--dry-run: shows where parts stand; give --part (say --part all)")
@@ -446,13 +453,14 @@ def repro(profile: Optional[str] = ProfileOpt,
                               f"{', '.join(sorted(known))}")
         check_hardware(cfg)
         code = run_repro(cfg, profile or "default", force=force, stages=stage,
-                         echo=lambda line: console.print(line, highlight=False, soft_wrap=True))
+                         echo=lambda line: console.print(line, highlight=False, soft_wrap=True),
+                         committed_answers=not fresh_answers)
         if code:
             _fail(f"dvc repro failed (exit {code}); finished stages are kept, run again to resume")
     _guarded(body)
 
 
-def _repro_parts(cfg: Config, profile: str, specs: list[str], dry_run: bool) -> None:
+def _repro_parts(cfg: Config, profile: str, specs: list[str], dry_run: bool, committed_answers: bool = True) -> None:
     """`kvshot repro --part ...`: each part in order (`pipeline.repro_parts`), stopping at the first failure."""
     from pipeline.parts import expand_parts
     from pipeline.repro_parts import part_state, run_part
@@ -464,7 +472,8 @@ def _repro_parts(cfg: Config, profile: str, specs: list[str], dry_run: bool) -> 
             print(state.line())
             continue
         console.print(f"[bold]part {n} of {len(todo)}: {state.name}[/]", highlight=False)
-        code = run_part(cfg, profile, state, echo=lambda line: console.print(line, highlight=False, soft_wrap=True))
+        code = run_part(cfg, profile, state, echo=lambda line: console.print(line, highlight=False, soft_wrap=True),
+                        committed_answers=committed_answers)
         if code:
             _fail(f"--part {state.name} failed (exit {code}); finished work is kept, run again to resume")
 

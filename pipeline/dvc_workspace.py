@@ -53,8 +53,11 @@ def _write_if_changed(path: Path, text: str) -> None:
         os.replace(tmp, path)
 
 
-def prepare_workspace(cfg: Config, profile: str) -> Path:
-    """Create or refresh the workspace of a non-default profile; returns its root."""
+def prepare_workspace(cfg: Config, profile: str, committed_answers: bool = True,
+                      echo=lambda line: None) -> Path:
+    """Create or refresh the workspace of a non-default profile; returns its root. With `committed_answers`, a
+    workspace that has not regenerated its conversations yet starts from the target's answers committed in the
+    profile's results folder (`pipeline.conversations`), so its parts train on the committed rows' conversations."""
     ws = workspace(profile)
     ws.mkdir(parents=True, exist_ok=True)
     env = dvc_env(ws)
@@ -64,6 +67,12 @@ def prepare_workspace(cfg: Config, profile: str) -> Path:
     _write_if_changed(ws / "dvc.yaml", (ROOT / "dvc.yaml").read_text())
     _write_if_changed(ws / "params.yaml", yaml.safe_dump(cfg.model_dump(mode="json"), sort_keys=False))
     share_code(ws)
+    if committed_answers:
+        from pipeline.conversations import FOLDER, results_folder, seed
+
+        for source in seed(results_folder(cfg), ws):
+            echo(f"data/regenerated/{source}.jsonl: the target's answers from {results_folder(cfg) / FOLDER} (the "
+                 "regenerate stage reuses each one whose settings and input are unchanged)")
     return ws
 
 
@@ -86,18 +95,24 @@ def share_code(ws: Path) -> None:
         ignore.write_text("\n".join(lines + ["__pycache__/"]) + "\n")
 
 
+def _ready(cfg: Config, profile: str, committed_answers: bool, echo) -> tuple[Path, dict[str, str]]:
+    """The profile's root (its workspace made or refreshed) and the environment DVC runs in there."""
+    root = ROOT if profile == "default" else prepare_workspace(cfg, profile, committed_answers, echo)
+    (root / "scratch").mkdir(parents=True, exist_ok=True)
+    env = dvc_env(root)
+    if shutil.which("dvc", path=env["PATH"]) is None:
+        raise FileNotFoundError("dvc is not installed in this environment (run `make setup`)")
+    return root, env
+
+
 def repro(cfg: Config, profile: str, force: bool = False, stages: list[str] | None = None,
-          echo=lambda line: None) -> int:
+          echo=lambda line: None, committed_answers: bool = True) -> int:
     """Run `dvc repro` for the profile (only `stages` and what they depend on, when given); returns DVC's exit
     code. A study that takes values from a validation study (`choose`) and ran on other values than that study's
     rows choose now is run again (`dvc repro --force --single-item study@S`, then `dvc repro` for what follows it):
     DVC sees no dependency between two studies."""
-    root = ROOT if profile == "default" else prepare_workspace(cfg, profile)
-    (root / "scratch").mkdir(parents=True, exist_ok=True)
+    root, env = _ready(cfg, profile, committed_answers, echo)
     cmd = ["dvc", "repro"] + (["--force"] if force else []) + list(stages or [])
-    env = dvc_env(root)
-    if shutil.which("dvc", path=env["PATH"]) is None:
-        raise FileNotFoundError("dvc is not installed in this environment (run `make setup`)")
     code = subprocess.run(cmd, cwd=root, env=env).returncode
     if code or stages or not any(s.choose for s in cfg.studies.values()):
         return code
@@ -118,8 +133,15 @@ def repro(cfg: Config, profile: str, force: bool = False, stages: list[str] | No
 DATA_STAGES = "features"   # the last data stage: `dvc repro features` runs prepare, regenerate and features
 
 
+def repro_data_stages(cfg: Config, profile: str, echo=lambda line: None, committed_answers: bool = True) -> int:
+    """The data stages alone (`dvc repro features`: prepare, regenerate, features) in the profile's workspace;
+    returns DVC's exit code."""
+    root, env = _ready(cfg, profile, committed_answers, echo)
+    return subprocess.run(["dvc", "repro", DATA_STAGES], cwd=root, env=env).returncode
+
+
 def repro_part(cfg: Config, profile: str, study: str, part: str, decode: bool,
-               echo=lambda line: None, begun_before: int = 0) -> int:
+               echo=lambda line: None, begun_before: int = 0, committed_answers: bool = True) -> int:
     """One part of a study from its workspace, in one go: the data stages through DVC (nothing when they are up to
     date), then `kvshot sweep --study STUDY --part PART` (a study without parts: its one part `(whole)`, the whole
     study) and, when the part holds drafters the study decodes, `kvshot e2e` of those. The whole is timed into
@@ -129,11 +151,7 @@ def repro_part(cfg: Config, profile: str, study: str, part: str, decode: bool,
     stage time too. Returns the first nonzero exit code, else 0."""
     from pipeline.provenance import record_part
 
-    root = ROOT if profile == "default" else prepare_workspace(cfg, profile)
-    (root / "scratch").mkdir(parents=True, exist_ok=True)
-    env = dvc_env(root)
-    if shutil.which("dvc", path=env["PATH"]) is None:
-        raise FileNotFoundError("dvc is not installed in this environment (run `make setup`)")
+    root, env = _ready(cfg, profile, committed_answers, echo)
     fresh = not (root / "data" / "features").exists()
     kvshot = [sys.executable, "-m", "pipeline.cli"]
     which = ["--study", study] + (["--part", part] if part != WHOLE else [])

@@ -9,9 +9,12 @@ done there skipped, so a study of many parts runs across interruptions with one 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from pathlib import Path
 
+from pipeline.choices import chosen_keys
 from pipeline.config import ROOT, Config, ConfigError, check_hardware
-from pipeline.dvc_workspace import done_part, repro_part, workspace
+from pipeline.conversations import results_folder
+from pipeline.dvc_workspace import done_part, repro_data_stages, repro_part, workspace
 from pipeline.parts import WHOLE, check_parts, decodes_any, part_filter, plan_part
 from pipeline.plan import plan
 from pipeline.sweep import check_chosen, finished_rows_in
@@ -56,8 +59,8 @@ class PartState:
 
 def part_state(cfg: Config, profile: str, study: str, part: str) -> PartState:
     """The state of one part (`expand_parts` gives the names) in the profile's workspace; reads only."""
-    ws = Paths(ROOT if profile == "default" else workspace(profile))
-    rows_of = finished_rows_in(ws)
+    ws = _paths(profile)
+    rows_of = finished_rows_in(ws, results_folder(cfg))
     trials = plan(cfg, {}, study, rows_of=rows_of)
     check_parts(trials, cfg, study)
     mine = trials if part == WHOLE else plan_part(trials, part_filter(cfg, study, part))
@@ -66,6 +69,9 @@ def part_state(cfg: Config, profile: str, study: str, part: str) -> PartState:
         waits = None
     except ConfigError as e:
         waits = str(e)
+        if checks_committed_first(cfg, study, ws):
+            waits += (f"; or the rows of it committed in {results_folder(cfg)}, checked against this workspace's "
+                      "conversations once its data stages have run (the part runs them first)")
     decode = decodes_any(cfg, study, mine)
     here = ws.root.is_dir()
     finished = rows_of(mine) if here else {}
@@ -75,13 +81,37 @@ def part_state(cfg: Config, profile: str, study: str, part: str) -> PartState:
                      sum(name not in finished for name in started), done, waits)
 
 
-def run_part(cfg: Config, profile: str, state: PartState, echo=lambda line: None) -> int:
+def run_part(cfg: Config, profile: str, state: PartState, echo=lambda line: None,
+             committed_answers: bool = True) -> int:
     """Run a part in one go unless it is done (its recorded time kept); a part whose validation study has not
     chosen its values yet is a one-line error before the data stages. Returns the first nonzero exit code."""
     if state.done is not None:
         echo(state.line() + "; nothing to run")
         return 0
+    if state.waits and checks_committed_first(cfg, state.study, _paths(profile)):
+        echo(f"part {state.name}: its values wait for a validation study; the data stages first, then the "
+             f"validation rows committed in {results_folder(cfg)} are checked against this workspace's conversations")
+        check_hardware(cfg)
+        code = repro_data_stages(cfg, profile, echo=echo, committed_answers=committed_answers)
+        if code:
+            return code
+        state = part_state(cfg, profile, state.study, state.part)
     if state.waits:
         raise ConfigError(state.waits)
     check_hardware(cfg)
-    return repro_part(cfg, profile, state.study, state.part, state.decode, echo=echo, begun_before=state.begun)
+    return repro_part(cfg, profile, state.study, state.part, state.decode, echo=echo, begun_before=state.begun,
+                      committed_answers=committed_answers)
+
+
+def checks_committed_first(cfg: Config, study: str, ws: Paths) -> bool:
+    """Whether a part of `study` waiting for a validation study can only tell after the data stages: the workspace
+    has no feature cache yet (so no conversations to check rows against) and the profile's results folder holds
+    rows of that validation study (`pipeline.choices.committed_rows`)."""
+    if (Path(ws.root) / "data" / "features").exists():
+        return False
+    stepwise = results_folder(cfg) / "metrics" / "stepwise"
+    return any((stepwise / f"{by}.json").is_file() for by in chosen_keys(cfg, study).values())
+
+
+def _paths(profile: str) -> Paths:
+    return Paths(ROOT if profile == "default" else workspace(profile))

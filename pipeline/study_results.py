@@ -25,6 +25,7 @@ from pathlib import Path
 import yaml
 
 from pipeline.config import ConfigError
+from pipeline.conversations import pack
 from pipeline.plan_file import PLAN_FILE, PlanFile, read_plan
 from pipeline.provenance import MACHINES, PARTS, TIMINGS
 from stages.common import StageError, write_json_atomic, write_text_atomic
@@ -189,9 +190,10 @@ def merged_lock(workspace: Path, results: Path) -> str | None:
     return yaml.safe_dump(lock, sort_keys=False)
 
 
-def install(staging: Path, workspace: Path, results: Path) -> None:
-    """Copy the staged metrics, records, report and figures (and the merged dvc.lock) into `results`; a file is
-    replaced only once its successor is complete."""
+def install(staging: Path, workspace: Path, results: Path) -> list[str]:
+    """Copy the staged metrics, records, report and figures (and the merged dvc.lock) into `results`, and the
+    target's answers the workspace trained on (`pipeline.conversations.pack`: later parts start from them); a file
+    is replaced only once its successor is complete. Returns the sources whose answers were committed."""
     results.mkdir(parents=True, exist_ok=True)
     report = staging / "reports" / "README.md"
     if not report.is_file():
@@ -219,6 +221,7 @@ def install(staging: Path, workspace: Path, results: Path) -> None:
             write_text_atomic(results / kept_name, (staging / ws_rel).read_text())
     if lock is not None:
         write_text_atomic(results / "dvc.lock", lock)
+    return pack(workspace, results)
 
 
 __all__ = ["Merged", "conversations", "install", "merge", "merged_lock", "same_data_rows"]

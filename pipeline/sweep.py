@@ -29,8 +29,9 @@ from typing import Any
 
 from rich.console import Console
 
-from pipeline.choices import RowsOf
+from pipeline.choices import RowsOf, committed_rows
 from pipeline.config import Config, ConfigError, lookup
+from pipeline.conversations import results_folder
 from pipeline.console import show_summary
 from pipeline.executor import ray_session, run_trials, trial_slots
 from pipeline.forward import Forward
@@ -112,13 +113,17 @@ def write_validation_sets(trials: list[Trial], paths: Paths) -> None:
         validation.write(paths, data, scale, size)
 
 
-def finished_rows_in(paths: Paths) -> RowsOf:
+def finished_rows_in(paths: Paths, committed: Path | None = None) -> RowsOf:
     """What the planner reads a validation study's outcome from (`plan(..., rows_of=)`): the finished rows of its
-    trials in this workspace, by fingerprint (a row of other code or data is not its trial's); reads only."""
+    trials in this workspace, by fingerprint (a row of other code or data is not its trial's), else those of the
+    results folder `committed` that stand for them here (`pipeline.choices.committed_rows`); reads only."""
     def rows_of(trials: list[Trial]) -> dict[str, dict]:
         fingerprint_trials(trials, paths)          # a validation set not written yet: no trial of it finished
         found = {t.name: cached_result(t, paths) or (finished_elsewhere(t, paths) or (None, None))[1] for t in trials}
-        return {name: row for name, row in found.items() if row is not None}
+        rows = {name: row for name, row in found.items() if row is not None}
+        if committed is not None and len(rows) < len(trials):
+            rows.update(committed_rows([t for t in trials if t.name not in rows], committed, paths))
+        return rows
     return rows_of
 
 
@@ -148,7 +153,7 @@ def stale_choices(cfg: Config, paths: Paths, rows_of: RowsOf | None = None) -> d
         written = {e.name: e for e in read_study_plan(paths, study) or []} if spec.choose else {}
         if not written:
             continue
-        for t in plan(cfg, study=study, rows_of=rows_of or finished_rows_in(paths)):
+        for t in plan(cfg, study=study, rows_of=rows_of or finished_rows_in(paths, results_folder(cfg))):
             for c in t.choices:
                 ran = written.get(t.name)
                 if c.value is not None and ran is not None and lookup(ran.config, c.key) != c.value:

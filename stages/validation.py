@@ -55,16 +55,21 @@ def choose(rows: list[dict], scales: dict[str, int], scale: str, size: int) -> l
     return kept[:size]
 
 
+def content(paths: Paths, data, scale: str, size: int) -> str:
+    """The content of the validation set of `size` conversations beyond `scale`, from the regenerated data."""
+    chosen = choose(load_regenerated(paths, data), dict(data.scales), scale, size)
+    return "".join(json.dumps({"id": r["id"], "source": r.get("source"), "scale_rank": r["scale_rank"],
+                               "messages": r["messages"]}, ensure_ascii=False) + "\n" for r in chosen)
+
+
 def write(paths: Paths, data, scale: str, size: int) -> Path:
     """Write the validation set of `size` conversations beyond `scale` (atomically; unchanged content is left as it
     is, so a resumed sweep keeps its trials' fingerprints)."""
-    chosen = choose(load_regenerated(paths, data), dict(data.scales), scale, size)
     path = Path(paths.root) / relative_path(scale, size)
-    text = "".join(json.dumps({"id": r["id"], "source": r.get("source"), "scale_rank": r["scale_rank"],
-                               "messages": r["messages"]}, ensure_ascii=False) + "\n" for r in chosen)
-    if not path.is_file() or path.read_text() != text:
-        write_text_atomic(path, text)
+    body = content(paths, data, scale, size)
+    if not path.is_file() or path.read_text() != body:
+        write_text_atomic(path, body)
     return path
 
 
-__all__ = ["FOLDER", "choose", "parse", "relative_path", "write"]
+__all__ = ["FOLDER", "choose", "parse", "content", "relative_path", "write"]

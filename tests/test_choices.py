@@ -159,6 +159,59 @@ def test_the_sweep_reads_the_choice_from_the_validation_runs_of_this_workspace(r
     assert all(t.choices[0].value is None for t in plan(cfg, study="blk", rows_of=rows_of) if t.choices)
 
 
+def _regenerated(paths, cfg, changed: bool = False) -> None:
+    src = next(iter(cfg.data.sources))
+    paths.regenerated(src).parent.mkdir(parents=True, exist_ok=True)
+    paths.regenerated(src).write_text("".join(
+        json.dumps({"id": f"c{i}", "source": src, "split": "train", "scale_rank": i,
+                    "messages": [{"role": "user", "content": f"prompt {i}"},
+                                 {"role": "assistant", "content": f"answer {i}{' again' if changed else ''}"}]}) + "\n"
+        for i in range(max(cfg.data.scales.values()) + 5)))
+
+
+def test_a_workspace_takes_the_choice_from_committed_validation_rows_of_the_same_code_and_conversations(
+        ray_local, tmp_path, monkeypatch):
+    """A study run in parts over sessions: the validation study ran in another workspace and its rows were
+    committed (results/<profile>/metrics/stepwise/); a workspace on the same conversations chooses from them,
+    one on other conversations, or with other code, does not."""
+    from pipeline.conversations import results_folder
+    from pipeline.fingerprint import fingerprint
+    from stages.common import Paths
+
+    monkeypatch.delenv("RAY_ADDRESS", raising=False)
+    monkeypatch.setenv("KVSHOT_RESULTS", str(tmp_path / "results"))
+    cfg = _cfg()
+    ran = Paths(tmp_path / "ran")
+    _regenerated(ran, cfg)
+    assert not run_sweep(plan(cfg, study="val"), ran, trial_fn=_trained, track=False).failed
+    stepwise = results_folder(cfg) / "metrics" / "stepwise"
+    stepwise.mkdir(parents=True)
+    rows = json.loads(ran.stepwise_metrics("val").read_text())
+    for r, t in zip(rows, plan(cfg, study="val")):   # trained beside another CPU's feature cache (bf16 rounding)
+        r["data"] = {k: ("sha256:another-cpu" if k.startswith("features/") else v) for k, v in r["data"].items()}
+        r["fingerprint"] = fingerprint(t.config, r["data"], None, r["code"])
+    (stepwise / "val.json").write_text(json.dumps(rows))
+
+    here = Paths(tmp_path / "here")
+    _regenerated(here, cfg)
+    trials = plan(cfg, study="blk", rows_of=finished_rows_in(here, results_folder(cfg)))
+    check_chosen(trials, cfg)
+    assert {t.name: t.config.train.lr for t in trials if t.choices} == \
+        {"block-hidden-s0": 0.003, "block-kv-s0": 0.001, "block-hidden-s1": 0.003, "block-kv-s1": 0.001}
+    assert not (tmp_path / "here" / "data" / "validation").exists()        # read, not written
+    assert all(t.choices[0].value is None for t in plan(cfg, study="blk", rows_of=finished_rows_in(here)) if t.choices)
+
+    other = Paths(tmp_path / "other")
+    _regenerated(other, cfg, changed=True)
+    assert all(t.choices[0].value is None
+               for t in plan(cfg, study="blk", rows_of=finished_rows_in(other, results_folder(cfg))) if t.choices)
+    for r in rows:
+        r["code"] = "other code"
+    (stepwise / "val.json").write_text(json.dumps(rows))
+    assert all(t.choices[0].value is None
+               for t in plan(cfg, study="blk", rows_of=finished_rows_in(here, results_folder(cfg))) if t.choices)
+
+
 def test_a_study_that_ran_on_an_older_choice_is_run_again_by_repro(tmp_path, monkeypatch):
     """DVC sees no dependency between a validation study and the study choosing from it: `kvshot repro` compares
     the plan the choosing study ran (runs/<study>/plan.json) with what the validation rows choose now and forces
@@ -183,8 +236,41 @@ def test_a_study_that_ran_on_an_older_choice_is_run_again_by_repro(tmp_path, mon
     monkeypatch.setattr(dvc_workspace.shutil, "which", lambda *a, **k: "dvc")
     monkeypatch.setattr(subprocess, "run", lambda cmd, **kw: calls.append(cmd) or subprocess.CompletedProcess(cmd, 0))
     import pipeline.sweep
-    monkeypatch.setattr(pipeline.sweep, "finished_rows_in", lambda p: _rows_of())
+    monkeypatch.setattr(pipeline.sweep, "finished_rows_in", lambda *a: _rows_of())
     lines = []
     assert dvc_workspace.repro(cfg, "default", echo=lines.append) == 0
     assert calls == [["dvc", "repro"], ["dvc", "repro", "--force", "--single-item", "study@blk"], ["dvc", "repro"]]
     assert len(lines) == 1 and lines[0].startswith("study blk ran on other chosen values")
+
+
+def test_a_waiting_part_of_a_fresh_workspace_runs_its_data_stages_before_it_checks_committed_rows(tmp_path,
+                                                                                                   monkeypatch):
+    """Which validation rows stand for a workspace's trials is known only once it has its conversations: a part
+    waiting for its choice runs the data stages first when committed rows of its validation study exist, then
+    plans again; without such rows it stops at once with the one-line error."""
+    from pipeline import repro_parts
+    from pipeline.conversations import results_folder
+
+    monkeypatch.setenv("KVSHOT_RESULTS", str(tmp_path / "results"))
+    monkeypatch.setenv("KVSHOT_WORKSPACES", str(tmp_path / "ws"))
+    cfg = _cfg()
+    monkeypatch.setattr(repro_parts, "check_hardware", lambda cfg: None)
+    calls = []
+    monkeypatch.setattr(repro_parts, "repro_data_stages", lambda *a, **k: calls.append("data") or 0)
+    monkeypatch.setattr(repro_parts, "repro_part", lambda *a, **k: calls.append("part") or 0)
+    state = repro_parts.part_state(cfg, "mine", "blk", "(whole)")
+    assert state.waits and "committed" not in state.waits
+    with pytest.raises(ConfigError, match="run its parts val/h, val/k here first$"):
+        repro_parts.run_part(cfg, "mine", state)
+    assert calls == []
+
+    stepwise = results_folder(cfg) / "metrics" / "stepwise"
+    stepwise.mkdir(parents=True)
+    (stepwise / "val.json").write_text("[]")
+    state = repro_parts.part_state(cfg, "mine", "blk", "(whole)")
+    assert "checked against this workspace's conversations once its data stages have run" in state.waits
+    with pytest.raises(ConfigError):           # no committed row stands for these trials: it still waits
+        repro_parts.run_part(cfg, "mine", state, echo=lambda line: None)
+    assert calls == ["data"]
+    (tmp_path / "ws" / "mine" / "data" / "features").mkdir(parents=True)    # the data stages have run
+    assert "committed" not in repro_parts.part_state(cfg, "mine", "blk", "(whole)").waits

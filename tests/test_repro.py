@@ -85,6 +85,25 @@ def test_repro_builds_every_artifact(smoke):
 
 
 @pytest.mark.slow
+def test_a_fresh_workspace_starts_from_the_answers_study_results_committed(smoke, tmp_path):
+    """`kvshot study-results` commits the target's answers beside the results; a fresh workspace of the profile
+    regenerates from them into the same bytes (so its rows combine with the committed ones) and 0 new tokens."""
+    ws, env, _ = smoke
+    results = tmp_path / "results"
+    out = kvshot("study-results", str(ws), "--into", str(results / "smoke"), "--profile", "smoke", env=env)
+    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+    assert "the target's answers of sharegpt committed" in " ".join(out.stdout.split())
+    assert (results / "smoke" / "conversations" / "sharegpt.jsonl.gz").is_file()
+    env2 = dict(env, KVSHOT_WORKSPACES=str(tmp_path / "ws"), KVSHOT_RESULTS=str(results))
+    out = kvshot("repro", "--profile", "smoke", "--stage", "regenerate", env=env2)
+    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+    said = " ".join((out.stdout + out.stderr).split())
+    assert "data/regenerated/sharegpt.jsonl: the target's answers from" in said and " 0 new tokens" in said
+    fresh = tmp_path / "ws" / "smoke" / "data" / "regenerated" / "sharegpt.jsonl"
+    assert fresh.read_bytes() == (ws / "data" / "regenerated" / "sharegpt.jsonl").read_bytes()
+
+
+@pytest.mark.slow
 def test_report_has_every_table_figure_and_verdict(smoke):
     ws, _, _ = smoke
     text = (ws / "reports" / "README.md").read_text()
