@@ -92,7 +92,7 @@ def test_a_fresh_workspace_starts_from_the_answers_study_results_committed(smoke
     results = tmp_path / "results"
     out = kvshot("study-results", str(ws), "--into", str(results / "smoke"), "--profile", "smoke", env=env)
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
-    assert "the target's answers of sharegpt committed" in " ".join(out.stdout.split())
+    assert "the target's answers of sharegpt committed" in " ".join((out.stdout + out.stderr).split())
     assert (results / "smoke" / "conversations" / "sharegpt.jsonl.gz").is_file()
     env2 = dict(env, KVSHOT_WORKSPACES=str(tmp_path / "ws"), KVSHOT_RESULTS=str(results))
     out = kvshot("repro", "--profile", "smoke", "--stage", "regenerate", env=env2)
