@@ -239,7 +239,9 @@ def test_a_fast_dev_run_has_the_profiles_parts_in_a_workspace_of_its_own(tmp_pat
     plan's equality: tests/test_profiles.py), in the workspace study-fast-dev-run; a dry run creates nothing."""
     import os
 
-    env = dict(os.environ, KVSHOT_WORKSPACES=str(tmp_path))
+    # no committed results: a waiting part's line would name the study's committed validation rows (the fast dev
+    # run has none)
+    env = dict(os.environ, KVSHOT_WORKSPACES=str(tmp_path), KVSHOT_RESULTS=str(tmp_path / "no-results"))
 
     def dry(*flags: str) -> list[str]:
         out = subprocess.run(KVSHOT + ["repro", "--profile", "study", "--part", "all", "--dry-run", *flags], cwd=ROOT,
