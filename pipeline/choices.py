@@ -22,7 +22,6 @@ hashes; the feature cache of another CPU differs in bf16 rounding) on the same c
 from __future__ import annotations
 
 import hashlib
-import json
 import math
 from dataclasses import dataclass
 from pathlib import Path
@@ -133,25 +132,28 @@ def committed_rows(trials: list[Trial], results: Path, paths: "Paths") -> dict[s
     same conversations and validation set as the workspace's (see the module doc). Trials with a parent never
     match (their parent's fingerprint holds its own feature cache's hash). Reads only."""
     from pipeline.fingerprint import MISSING, fingerprint
+    from pipeline.study_results import conversations, read_rows
     from stages.code_hash import code_hash
 
     committed: dict[str, dict[str, dict]] = {}
     sets: dict[str, str] = {}
     found: dict[str, dict] = {}
     for t in trials:
-        conversations = {k: v for k, v in (t.data_hashes or {}).items() if k.startswith("regenerated/")}
-        if t.depends_on or not conversations or MISSING in conversations.values():
+        mine = conversations({"data": t.data_hashes})
+        mine.pop("eval", None)      # recomputed below: a validation set is written by a study it may not have run
+        if t.depends_on or not mine or MISSING in mine.values():
             continue        # a workspace without its conversations yet cannot tell which rows are its own
         if t.study not in committed:
             path = Path(results) / "metrics" / "stepwise" / f"{t.study}.json"
-            rows = json.loads(path.read_text()) if path.is_file() else []
+            rows = read_rows(path) if path.is_file() else []
             committed[t.study] = {r.get("trial"): r for r in rows if isinstance(r, dict) and r.get("status") == "ok"}
         row = committed[t.study].get(t.name)
         if row is None or row.get("code") != code_hash() or not isinstance(row.get("data"), dict):
             continue
         if t.config.eval.data and t.config.eval.data not in sets:
             sets[t.config.eval.data] = _validation_hash(t, paths)
-        mine = {**conversations, **({"eval": sets[t.config.eval.data]} if t.config.eval.data else {})}
+        if t.config.eval.data:
+            mine["eval"] = sets[t.config.eval.data]
         if all(row["data"].get(k) == v for k, v in mine.items()) and \
                 fingerprint(t.config, row["data"], None, row["code"]) == row.get("fingerprint"):
             found[t.name] = row

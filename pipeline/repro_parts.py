@@ -88,17 +88,19 @@ def run_part(cfg: Config, profile: str, state: PartState, echo=lambda line: None
     if state.done is not None:
         echo(state.line() + "; nothing to run")
         return 0
-    if state.waits and checks_committed_first(cfg, state.study, _paths(profile)):
+    first = bool(state.waits) and checks_committed_first(cfg, state.study, _paths(profile))
+    if state.waits and not first:
+        raise ConfigError(state.waits)
+    check_hardware(cfg)
+    if first:
         echo(f"part {state.name}: its values wait for a validation study; the data stages first, then the "
              f"validation rows committed in {results_folder(cfg)} are checked against this workspace's conversations")
-        check_hardware(cfg)
         code = repro_data_stages(cfg, profile, echo=echo, committed_answers=committed_answers)
         if code:
             return code
         state = part_state(cfg, profile, state.study, state.part)
-    if state.waits:
-        raise ConfigError(state.waits)
-    check_hardware(cfg)
+        if state.waits:
+            raise ConfigError(state.waits)
     return repro_part(cfg, profile, state.study, state.part, state.decode, echo=echo, begun_before=state.begun,
                       committed_answers=committed_answers)
 

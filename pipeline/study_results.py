@@ -51,7 +51,7 @@ def _study_metrics(folder: Path) -> dict[str, Path]:
     return {p.stem: p for p in sorted(folder.glob("*.json"))} if folder.is_dir() else {}
 
 
-def _read_json(path: Path, kind: type, what: str):
+def read_json(path: Path, kind: type, what: str):
     """A JSON file holding a `kind` (dict or list); anything else is a one-line error naming the file."""
     try:
         data = json.loads(path.read_text())
@@ -63,11 +63,12 @@ def _read_json(path: Path, kind: type, what: str):
 
 
 def _read_record(path: Path) -> dict:
-    return _read_json(path, dict, "a JSON object of stage -> value") if path.is_file() else {}
+    return read_json(path, dict, "a JSON object of stage -> value") if path.is_file() else {}
 
 
-def _read_rows(path: Path) -> list:
-    return _read_json(path, list, "a JSON list of trial rows")
+def read_rows(path: Path) -> list:
+    """A JSON list of trial rows (a results folder's metrics/stepwise/<study>.json); a one-line error otherwise."""
+    return read_json(path, list, "a JSON list of trial rows")
 
 
 def merge(workspace: Path, results: Path, staging: Path) -> Merged:
@@ -84,9 +85,9 @@ def merge(workspace: Path, results: Path, staging: Path) -> Merged:
     committed = _study_metrics(results / "metrics" / "stepwise")
     combined = []
     for name, path in {**committed, **ws_metrics}.items():
-        rows = _read_rows(path)
+        rows = read_rows(path)
         if name in committed and name in ws_metrics:
-            kept = same_data_rows(_read_rows(committed[name]), rows)
+            kept = same_data_rows(read_rows(committed[name]), rows)
             if kept:
                 combined.append(name)
                 rows = kept + rows
@@ -140,10 +141,10 @@ def _merge_e2e(ws_e2e: Path, kept_e2e: Path, out: Path, combined: set[str] = fro
             return "none"
         shutil.copy2(kept_e2e, out)
         return "as committed"
-    fresh = _read_rows(ws_e2e)
+    fresh = read_rows(ws_e2e)
     decoded = {r.get("study") for r in fresh if isinstance(r, dict)}
     ran = {(r.get("study"), r.get("trial"), r.get("seed")) for r in fresh if isinstance(r, dict)}
-    kept = [r for r in (_read_rows(kept_e2e) if kept_e2e.is_file() else [])
+    kept = [r for r in (read_rows(kept_e2e) if kept_e2e.is_file() else [])
             if isinstance(r, dict) and r.get("study")
             and (r["study"] not in decoded or (r["study"] in combined and (r["study"], r.get("trial"), r.get("seed"))
                                                not in ran))]

@@ -11,6 +11,7 @@ from pipeline.config import ConfigError, StudyParams, load_config
 from pipeline.plan import plan
 from pipeline.plan_file import planned
 from pipeline.sweep import check_chosen, finished_rows_in, run_sweep
+from stages.common import StageError
 
 sys.path.insert(0, str(Path(__file__).parent / "fixtures" / "report"))
 import make_fixtures as fx  # noqa: E402
@@ -211,6 +212,11 @@ def test_a_workspace_takes_the_choice_from_committed_validation_rows_of_the_same
     assert all(t.choices[0].value is None
                for t in plan(cfg, study="blk", rows_of=finished_rows_in(here, results_folder(cfg))) if t.choices)
 
+    (stepwise / "val.json").write_text(json.dumps(rows)[:-7])       # a committed file cut short
+    with pytest.raises(StageError, match=r"val\.json: not valid JSON") as err:
+        plan(cfg, study="blk", rows_of=finished_rows_in(here, results_folder(cfg)))
+    assert "\n" not in str(err.value)
+
 
 def test_a_study_that_ran_on_an_older_choice_is_run_again_by_repro(tmp_path, monkeypatch):
     """DVC sees no dependency between a validation study and the study choosing from it: `kvshot repro` compares
@@ -254,8 +260,8 @@ def test_a_waiting_part_of_a_fresh_workspace_runs_its_data_stages_before_it_chec
     monkeypatch.setenv("KVSHOT_RESULTS", str(tmp_path / "results"))
     monkeypatch.setenv("KVSHOT_WORKSPACES", str(tmp_path / "ws"))
     cfg = _cfg()
-    monkeypatch.setattr(repro_parts, "check_hardware", lambda cfg: None)
     calls = []
+    monkeypatch.setattr(repro_parts, "check_hardware", lambda cfg: calls.append("hardware"))
     monkeypatch.setattr(repro_parts, "repro_data_stages", lambda *a, **k: calls.append("data") or 0)
     monkeypatch.setattr(repro_parts, "repro_part", lambda *a, **k: calls.append("part") or 0)
     state = repro_parts.part_state(cfg, "mine", "blk", "(whole)")
@@ -271,6 +277,6 @@ def test_a_waiting_part_of_a_fresh_workspace_runs_its_data_stages_before_it_chec
     assert "checked against this workspace's conversations once its data stages have run" in state.waits
     with pytest.raises(ConfigError):           # no committed row stands for these trials: it still waits
         repro_parts.run_part(cfg, "mine", state, echo=lambda line: None)
-    assert calls == ["data"]
+    assert calls == ["hardware", "data"]                  # the hardware checked once, before the data stages
     (tmp_path / "ws" / "mine" / "data" / "features").mkdir(parents=True)    # the data stages have run
     assert "committed" not in repro_parts.part_state(cfg, "mine", "blk", "(whole)").waits
