@@ -1,7 +1,8 @@
 """What each part of a profile's studies would take in one go from a fresh workspace, from the committed rows'
 measured trial times: the part's trials replayed as one sweep (`pipeline.cost.replay`: `ray.max_concurrent` at a
 time, in dependency waves as the executor runs them, in the sweep's own order; beside it the same with each child
-started right after its parent, i.e. what the waves cost), plus the data stages and the part's end-to-end
+started right after its parent, i.e. what the waves cost), plus the data stages (without regenerate where the
+results folder holds the target's committed answers, which a fresh workspace reuses) and the part's end-to-end
 decoding as the results folder's stage times record them; beside it, the part's wall time when it ran in one go
 (`kvshot repro --part`, the folder's parts.json). A study without parts is one part. A trial without a row yet
 is estimated from the paces of its drafter setting's rows (`pipeline.budget.estimated_seconds`), and says so.
@@ -30,10 +31,17 @@ def main() -> None:
     args = ap.parse_args()
     cfg = load_config(args.profile)
     times = json.loads((args.results / "timings.json").read_text())
-    data_s = sum(times.get(k, 0.0) for k in DATA_STAGE_NAMES)
+    # a fresh workspace seeded from the committed answers (pipeline.conversations) reuses them: its regenerate
+    # stage asks the target for nothing, so the regenerate time recorded when they were generated is not counted
+    seeded = any((args.results / "conversations").glob("*.jsonl.gz"))
+    counted = [k for k in DATA_STAGE_NAMES if not (seeded and k == "regenerate")]
+    data_s = sum(times.get(k, 0.0) for k in counted)
     parts_file = args.results / "parts.json"
     in_one_go = json.loads(parts_file.read_text()) if parts_file.is_file() else {}
-    print(f"data stages as recorded: {data_s / 60:.1f} min; slots: {cfg.ray.max_concurrent}")
+    stages = ", ".join(f"{k} {times.get(k, 0.0) / 60:.1f}" for k in DATA_STAGE_NAMES)
+    print(f"data stages as recorded: {stages} min; counted per part: {' + '.join(counted)} = {data_s / 60:.1f} min"
+          + (" (regenerate reuses the answers committed in conversations/)" if seeded else "")
+          + f"; slots: {cfg.ray.max_concurrent}")
     print("| part | trials | sweep replayed | children right after their parent | decoding recorded "
           "| with the data stages | measured in one go |")
     print("| --- | --- | --- | --- | --- | --- | --- |")
