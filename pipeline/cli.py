@@ -15,6 +15,7 @@ import typer
 from rich.console import Console
 
 from pipeline.config import Config, ConfigError, check_hardware, load_config, parse_overrides
+from pipeline.stopping import Stopped
 
 app = typer.Typer(add_completion=False, no_args_is_help=True, pretty_exceptions_enable=False,
                   help="kvshot: reproduce the KVShot drafter experiments (prepare -> ... -> report).")
@@ -67,9 +68,10 @@ def _guarded(fn: Callable[[], object], command: str | Callable[[], str] | None =
         return out
     except _user_errors() as exc:
         _fail(str(exc).splitlines()[0] if str(exc) else type(exc).__name__)
-    except KeyboardInterrupt:
-        console.print("[yellow]interrupted; finished work is kept and the next run resumes from it[/]")
-        raise typer.Exit(130)
+    except (KeyboardInterrupt, Stopped) as exc:
+        console.print(f"[yellow]{'interrupted' if isinstance(exc, KeyboardInterrupt) else f'stopped by {exc}'}; "
+                      "finished work is kept and the next run resumes from it[/]")
+        raise typer.Exit(exc.exit_code if isinstance(exc, Stopped) else 130)
 
 
 def stage_run(cfg: Config, stage: str, paths):

@@ -18,6 +18,7 @@ import yaml
 
 from pipeline.config import ROOT, Config, ConfigError
 from pipeline.parts import WHOLE
+from pipeline.stopping import run_child
 
 CODE_DIRS = ("models", "stages")   # the folders dvc.yaml names the stages' code in, relative to the project
 
@@ -113,7 +114,7 @@ def repro(cfg: Config, profile: str, force: bool = False, stages: list[str] | No
     DVC sees no dependency between two studies."""
     root, env = _ready(cfg, profile, committed_answers, echo)
     cmd = ["dvc", "repro"] + (["--force"] if force else []) + list(stages or [])
-    code = subprocess.run(cmd, cwd=root, env=env).returncode
+    code = run_child(cmd, cwd=root, env=env)
     if code or stages or not any(s.choose for s in cfg.studies.values()):
         return code
     from pipeline.sweep import stale_choices
@@ -123,11 +124,10 @@ def repro(cfg: Config, profile: str, force: bool = False, stages: list[str] | No
     for study, changes in stale.items():
         echo(f"study {study} ran on other chosen values than its validation study's rows choose now "
              f"({'; '.join(changes[:3])}{'; ...' if len(changes) > 3 else ''}): running it again")
-        code = subprocess.run(["dvc", "repro", "--force", "--single-item", f"study@{study}"], cwd=root,
-                              env=env).returncode
+        code = run_child(["dvc", "repro", "--force", "--single-item", f"study@{study}"], cwd=root, env=env)
         if code:
             return code
-    return subprocess.run(["dvc", "repro"], cwd=root, env=env).returncode if stale else 0
+    return run_child(["dvc", "repro"], cwd=root, env=env) if stale else 0
 
 
 DATA_STAGES = "features"   # the last data stage: `dvc repro features` runs prepare, regenerate and features
@@ -137,7 +137,7 @@ def repro_data_stages(cfg: Config, profile: str, echo=lambda line: None, committ
     """The data stages alone (`dvc repro features`: prepare, regenerate, features) in the profile's workspace;
     returns DVC's exit code."""
     root, env = _ready(cfg, profile, committed_answers, echo)
-    return subprocess.run(["dvc", "repro", DATA_STAGES], cwd=root, env=env).returncode
+    return run_child(["dvc", "repro", DATA_STAGES], cwd=root, env=env)
 
 
 def repro_part(cfg: Config, profile: str, study: str, part: str, decode: bool,
@@ -163,7 +163,7 @@ def repro_part(cfg: Config, profile: str, study: str, part: str, decode: bool,
     for what, cmd in steps:
         echo(f"part {study}/{part}: {what}")
         t0 = time.perf_counter()
-        code = subprocess.run(cmd, cwd=root, env=env).returncode
+        code = run_child(cmd, cwd=root, env=env)
         if what == "data stages":
             data_s = time.perf_counter() - t0
         if code:

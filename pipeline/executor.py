@@ -27,6 +27,7 @@ from pipeline.cost import schedule_order
 from pipeline.cpu_share import CpuShare
 from pipeline.forward import Forward
 from pipeline.plan import waves
+from pipeline.stopping import KILL_SIGNALS, stop_on_signals
 from pipeline.trial import Trial, TrialFn, execute, failed_row
 from stages.common import Paths
 
@@ -52,7 +53,7 @@ def quiet_ray_output() -> None:
 @contextmanager
 def ray_session(params: Any, paths: Paths) -> Iterator[None]:
     """Ray for a sweep: reuse one already initialised in this process, join RAY_ADDRESS / ray.address, or start
-    a local one (shut down again at the end)."""
+    a local one (shut down again at the end, also when a SIGTERM or SIGHUP stops the driver)."""
     quiet_ray_output()
     import ray
 
@@ -69,10 +70,12 @@ def ray_session(params: Any, paths: Paths) -> Iterator[None]:
         temp.mkdir(parents=True, exist_ok=True)
         ray.init(num_cpus=params.num_cpus, _temp_dir=str(temp), include_dashboard=False,
                  logging_level="WARNING", log_to_driver=True)
-    try:
-        yield
-    finally:
-        ray.shutdown()
+    # a SIGTERM or SIGHUP to the driver ends the sweep through here, so the local cluster and its trials stop too
+    with stop_on_signals(KILL_SIGNALS):
+        try:
+            yield
+        finally:
+            ray.shutdown()
 
 
 PAYLOAD = "kvshot"   # the one key of every Tune result a trial sends: a JSON message for the driver

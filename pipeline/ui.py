@@ -18,18 +18,16 @@ import sys
 import time
 import urllib.error
 import urllib.request
-from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Iterator
 
 from rich.console import Console
 
+from pipeline.stopping import Stopped, stop_on_signals
 from pipeline.tracking import artifact_location, tracking_uri
 from pipeline.ui_app import PARENT_ENV
 
 HOST = "127.0.0.1"
-STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)
 # Opens an experiment on its runs table even in a browser whose UI was switched to the GenAI view.
 RUNS_VIEW = "?workflowType=machine_learning"
 
@@ -153,30 +151,6 @@ def start(root: Path, port: int = 5000, tracking: object | None = None, wait_s: 
         raise
 
 
-class _Stop(BaseException):
-    """Raised in the main thread by a stop signal; a BaseException, like KeyboardInterrupt, so that no
-    `except Exception` on the way swallows it."""
-
-
-@contextmanager
-def _stop_on_signals() -> Iterator[None]:
-    """SIGTERM, SIGINT and SIGHUP end the block (as _Stop); a second signal does not interrupt the stopping
-    (the server gets SIGKILL if it lingers). The previous handlers come back after the block."""
-    raised = []
-
-    def handler(signum, _frame):
-        if not raised:
-            raised.append(signum)
-            raise _Stop(signal.Signals(signum).name)
-
-    previous = {sig: signal.signal(sig, handler) for sig in STOP_SIGNALS}
-    try:
-        yield
-    finally:
-        for sig, old in previous.items():
-            signal.signal(sig, old)
-
-
 def experiment_links(url: str, tracking: object, root: Path) -> list[tuple[str, str]]:
     """(name, address of its runs table) for each of the project's experiments, which are marked as
     model-training experiments on the way (workspaces of older kvshot versions included)."""
@@ -200,7 +174,7 @@ def serve(root: Path, port: int = 5000, tracking: object | None = None) -> None:
         from pipeline.config import load_config
 
         tracking = load_config(None, [], root=Path(root)).tracking
-    with _stop_on_signals():
+    with stop_on_signals():
         server = None
         try:
             server = start(root, port, tracking)
@@ -211,7 +185,7 @@ def serve(root: Path, port: int = 5000, tracking: object | None = None) -> None:
                 time.sleep(0.5)
             console.print(f"[red]the MLflow server stopped by itself[/] (exit code {server.process.returncode}; "
                           f"log {Path(root).resolve() / 'scratch' / 'mlflow-ui.log'})", highlight=False)
-        except (_Stop, KeyboardInterrupt):
+        except (Stopped, KeyboardInterrupt):
             pass
         finally:
             if server is not None:

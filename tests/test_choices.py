@@ -241,6 +241,7 @@ def test_a_study_that_ran_on_an_older_choice_is_run_again_by_repro(tmp_path, mon
     monkeypatch.setattr(dvc_workspace, "ROOT", tmp_path)
     monkeypatch.setattr(dvc_workspace.shutil, "which", lambda *a, **k: "dvc")
     monkeypatch.setattr(subprocess, "run", lambda cmd, **kw: calls.append(cmd) or subprocess.CompletedProcess(cmd, 0))
+    monkeypatch.setattr(dvc_workspace, "run_child", lambda cmd, **kw: calls.append(cmd) or 0)
     import pipeline.sweep
     monkeypatch.setattr(pipeline.sweep, "finished_rows_in", lambda *a: _rows_of())
     lines = []
