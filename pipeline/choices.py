@@ -132,7 +132,7 @@ def committed_rows(trials: list[Trial], results: Path, paths: "Paths") -> dict[s
     same conversations and validation set as the workspace's (see the module doc). Trials with a parent never
     match (their parent's fingerprint holds its own feature cache's hash). Reads only."""
     from pipeline.fingerprint import MISSING, fingerprint
-    from pipeline.study_results import conversations, read_rows
+    from pipeline.metrics_files import conversations, read_rows
     from stages.code_hash import code_hash
 
     committed: dict[str, dict[str, dict]] = {}

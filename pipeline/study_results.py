@@ -27,6 +27,7 @@ import yaml
 from pipeline.config import ConfigError
 from pipeline.conversations import pack
 from pipeline.plan_file import PLAN_FILE, PlanFile, read_plan
+from pipeline.metrics_files import conversations, read_json, read_rows
 from pipeline.provenance import MACHINES, PARTS, TIMINGS
 from stages.common import StageError, write_json_atomic, write_text_atomic
 from stages.engine_report import ENGINE_METRICS
@@ -51,24 +52,8 @@ def _study_metrics(folder: Path) -> dict[str, Path]:
     return {p.stem: p for p in sorted(folder.glob("*.json"))} if folder.is_dir() else {}
 
 
-def read_json(path: Path, kind: type, what: str):
-    """A JSON file holding a `kind` (dict or list); anything else is a one-line error naming the file."""
-    try:
-        data = json.loads(path.read_text())
-    except json.JSONDecodeError as exc:
-        raise StageError(f"{path}: not valid JSON ({exc.msg}, line {exc.lineno})") from None
-    if not isinstance(data, kind):
-        raise StageError(f"{path}: expected {what}")
-    return data
-
-
 def _read_record(path: Path) -> dict:
     return read_json(path, dict, "a JSON object of stage -> value") if path.is_file() else {}
-
-
-def read_rows(path: Path) -> list:
-    """A JSON list of trial rows (a results folder's metrics/stepwise/<study>.json); a one-line error otherwise."""
-    return read_json(path, list, "a JSON list of trial rows")
 
 
 def merge(workspace: Path, results: Path, staging: Path) -> Merged:
@@ -151,14 +136,6 @@ def _merge_e2e(ws_e2e: Path, kept_e2e: Path, out: Path, combined: set[str] = fro
     write_json_atomic(out, kept + fresh)
     others = sorted({r["study"] for r in kept})
     return "the workspace" + (f", with the committed rows of {', '.join(others)}" if others else "")
-
-
-def conversations(row: dict) -> dict:
-    """The hashes of the conversations a row trained and was evaluated on (`data`: regenerated/<source>, eval),
-    without the feature cache: the cache is the target run over those conversations, and in bf16 its bits differ
-    from one CPU to another (rounding), so two workspaces on the same conversations never share its hash."""
-    data = row.get("data") or {}
-    return {k: v for k, v in data.items() if k.startswith("regenerated/") or k == "eval"}
 
 
 def same_data_rows(committed: list, fresh: list) -> list:
