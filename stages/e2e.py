@@ -308,7 +308,7 @@ def serve_with_engines(params: E2EParams, run_dirs: list[Path], settings: list[d
         with StageProgress() as bar:
             engine_rows = run_engines(params.engine_draft_tokens, run_dirs, settings, prompts, tgt, target,
                                       params.dtype, params.max_new_tokens, paths, bar, eager=params.engine_eager,
-                                      keep=keep)
+                                      keep=keep, tie_tolerance=params.tie_tolerance)
         for row in engine_rows:
             if row["status"] == "ok":
                 report({f"{row['trial']}/vllm-k{row['draft_tokens']}/{key}": float(row[key])

@@ -10,7 +10,8 @@ decodes the same prompts with the same drafter as a chain of as many draft token
 Both ignore the end-of-sequence token, so every prompt yields `max_new_tokens` in both engines.
 
 Per drafter and draft length one row (metrics/engine.json): lossless (vLLM's output with the drafter
-token-identical to its own plain greedy), the engine's mean acceptance length and per-position acceptance from its
+token-identical to its own plain greedy in fp32; in bf16, departing from it only at a near tie of vLLM's own plain
+run, the rule kvshot's e2e rows follow: its plain runs keep every step's top log-probabilities for that), the engine's mean acceptance length and per-position acceptance from its
 counters beside kvshot's chain acceptance on the same prompts, tokens/s and speedup of each engine over its own
 plain decoding, and every prompt's sums for the report's intervals.
 """
@@ -28,6 +29,9 @@ RUNNER = Path(__file__).resolve().parent / "vllm_generate.py"
 ENGINE_TIMEOUT_S = 3600
 NOT_SERVED = "no drafter variant recorded in its config.json"
 PROPOSER_ROUTE = "kvshot proposer (eager)"
+# top log-probabilities a plain run keeps per step: the near-tie check of a bf16 departure needs the token the
+# speculative run chose among them (a runner-up a gap of at most e2e.tie_tolerance below the top is always there)
+TOP_LOGPROBS = 5
 
 
 def per_position(accept_lengths: list[int], k: int) -> list[int]:
@@ -37,7 +41,7 @@ def per_position(accept_lengths: list[int], k: int) -> list[int]:
 
 def run_vllm(python: Path, out: Path, prompts_file: Path, model: Path, n_new: int, dtype: str,
              draft: Path | None = None, k: int | None = None, eager: bool = False, kvshot_drafter: Path | None = None,
-             no_prefix_caching: bool = False) -> dict:
+             no_prefix_caching: bool = False, logprobs: int = 0) -> dict:
     """One vLLM process (stages/vllm_generate.py, batch 1): its JSON output; a StageError with its last words.
     `draft` an eagle3-format export, `kvshot_drafter` a spec file of a drafter for kvshot's proposer
     (stages/vllm_proposer.py)."""
@@ -53,6 +57,8 @@ def run_vllm(python: Path, out: Path, prompts_file: Path, model: Path, n_new: in
         args.append("--enforce-eager")
     if no_prefix_caching:
         args.append("--no-prefix-caching")
+    if logprobs:
+        args += ["--logprobs", str(logprobs)]
     res = subprocess.run(args, capture_output=True, text=True, timeout=ENGINE_TIMEOUT_S, cwd=out.parent,
                          env=engine_env(python))
     if res.returncode != 0 or not out.is_file():
@@ -62,16 +68,48 @@ def run_vllm(python: Path, out: Path, prompts_file: Path, model: Path, n_new: in
     return json.loads(out.read_text())
 
 
-def engine_row(setting: dict, k: int, plain: dict, spec: dict, chain: list, greedy: list) -> dict[str, Any]:
+def departure(reference: list[int], scores: list | None, output: list[int], tolerance: float) -> tuple[bool, float | None]:
+    """(lossless, gap) of one output against the reference greedy one, with the reference run's top
+    log-probabilities per step (`scores`: [[token ids], [log-probabilities]], as vllm_generate.py --logprobs writes
+    them): identical, or departing first where the output's token is within `tolerance` of the top-1 there
+    (log-softmax shifts every logit alike, so that is the logit gap kvshot's e2e rows test). A token outside the
+    kept top-n, a length difference, or no scores kept: not lossless."""
+    from models.decoding import first_divergence
+
+    d = first_divergence(reference, output)
+    if d is None:
+        return True, None
+    if d >= min(len(reference), len(output)) or not scores:
+        return False, None
+    step = dict(zip(*scores[d]))
+    if output[d] not in step:
+        return False, None
+    gap = max(step.values()) - step[output[d]]
+    return gap <= tolerance, gap
+
+
+def lossless_fields(plain: dict, spec: dict, tolerance: float, exact_required: bool) -> dict[str, Any]:
+    """lossless, exact_match and the largest near-tie gap of vLLM's speculative output against its own plain greedy
+    one, judged as kvshot's e2e rows are: exact equality in fp32 (`exact_required`), else every departure at a near
+    tie of the plain run's own scores (`departure`)."""
+    top = plain.get("top_logprobs") or [None] * len(plain["tokens"])
+    exact = [a == b for a, b in zip(plain["tokens"], spec["tokens"])]
+    checks = [departure(ref, scores, out, tolerance) for ref, scores, out in zip(plain["tokens"], top, spec["tokens"])]
+    return {"lossless": all(exact) if exact_required else all(ok for ok, _ in checks),
+            "exact_match": sum(exact) / len(exact), "tie_tolerance": tolerance,
+            "max_tie_gap": max((g for _, g in checks if g is not None), default=0.0)}
+
+
+def engine_row(setting: dict, k: int, plain: dict, spec: dict, chain: list, greedy: list,
+               tolerance: float = 0.0, exact_required: bool = True) -> dict[str, Any]:
     """The row of one drafter at draft length k from vLLM's plain and speculative outputs and kvshot's chain and
-    greedy decodes of the same prompts (DecodeResults)."""
+    greedy decodes of the same prompts (DecodeResults); losslessness as `lossless_fields` judges it."""
     drafts = [p["counters"]["drafts"] or 0 for p in spec["per_prompt"]]
     accepted = [p["counters"]["accepted_tokens"] or 0 for p in spec["per_prompt"]]
     per_pos = spec["counters"].get("accepted_per_pos") or [0] * k
     rounds = [len(r.accept_lengths) for r in chain]
     lengths = [sum(r.accept_lengths) for r in chain]
     kv_pos = per_position([a for r in chain for a in r.accept_lengths], k)
-    identical = [a == b for a, b in zip(spec["tokens"], plain["tokens"])]
 
     def rate(tokens: list, seconds: float) -> float:
         return sum(len(t) for t in tokens) / seconds if seconds else float("nan")
@@ -85,7 +123,7 @@ def engine_row(setting: dict, k: int, plain: dict, spec: dict, chain: list, gree
                 for p in spec["per_prompt"]]
     timed = all(h is not None for h, _ in proposer)
     return {**setting, "engine": "vllm", "engine_version": spec.get("vllm"), "draft_tokens": k,
-            "status": "ok", "lossless": all(identical), "exact_match": sum(identical) / len(identical),
+            "status": "ok", **lossless_fields(plain, spec, tolerance, exact_required),
             "same_as_kvshot_greedy": sum(a == list(r.tokens) for a, r in zip(plain["tokens"], greedy)) / len(greedy),
             "tau": 1 + sum(accepted) / sum(drafts) if sum(drafts) else 1.0,
             "accepted_per_pos": [a / sum(drafts) for a in per_pos] if sum(drafts) else [0.0] * k,
@@ -110,7 +148,7 @@ def engine_row(setting: dict, k: int, plain: dict, spec: dict, chain: list, gree
 
 def run_engines(draft_tokens: list[int], run_dirs: list[Path], settings: list[dict], prompts: list, tgt: Any,
                 target: TargetParams, dtype: str, n_new: int, paths: Paths, bar: Any = None,
-                eager: bool = False, keep: list[dict] = ()) -> list[dict]:
+                eager: bool = False, keep: list[dict] = (), tie_tolerance: float = 0.25) -> list[dict]:
     """Every drafter in `run_dirs` (with its e2e `settings` row fields) served by vLLM at each draft length and
     decoded by kvshot alike on `prompts` (token-id tensors); writes metrics/engine.json (after the `keep` rows, those
     of other drafters served before) and returns its own rows."""
@@ -132,7 +170,7 @@ def run_engines(draft_tokens: list[int], run_dirs: list[Path], settings: list[di
     def vllm(name: str, **kwargs: Any) -> dict:
         return run_vllm(python, work / name, prompts_file, Path(verifier.name_or_path), n_new, dtype, **kwargs)
 
-    plain = vllm(f"vllm-plain-{dtype}.json", eager=eager)
+    plain = vllm(f"vllm-plain-{dtype}.json", eager=eager, logprobs=TOP_LOGPROBS)
     greedy = [greedy_generate(tgt, p, n_new) for p in prompts]
     common = {"dtype": dtype, "num_prompts": len(prompts), "max_new_tokens": n_new, "engine_eager": eager,
               "code": code_hash(patterns=DECODE_CODE)}
@@ -150,7 +188,8 @@ def run_engines(draft_tokens: list[int], run_dirs: list[Path], settings: list[di
         drafter, _ = ckpt.load_drafter(run_dir, tgt)
         own_route = variant in SERVED_VARIANTS
         if own_route and plain_eager is None:
-            plain_eager = vllm(f"vllm-plain-{dtype}-eager.json", eager=True, no_prefix_caching=True)
+            plain_eager = vllm(f"vllm-plain-{dtype}-eager.json", eager=True, no_prefix_caching=True,
+                               logprobs=TOP_LOGPROBS)
         for k in draft_tokens:
             if own_route:
                 spec_file = write_spec(work / f"{setting['trial']}-drafter.json", run_dir, tgt.kv_layers,
@@ -164,8 +203,9 @@ def run_engines(draft_tokens: list[int], run_dirs: list[Path], settings: list[di
                      for p in prompts]
             route = {"engine_route": PROPOSER_ROUTE, "engine_eager": True} if own_route \
                 else {"engine_route": "eagle3 export"}
-            rows.append({**engine_row(setting, k, plain_eager if own_route else plain, spec, chain, greedy), **common,
-                         **route})
+            row = engine_row(setting, k, plain_eager if own_route else plain, spec, chain, greedy, tie_tolerance,
+                             exact_required=dtype == "float32")
+            rows.append({**row, **common, **route})
             advance()
     write_json_atomic(paths.root / ENGINE_METRICS, [*keep, *rows])
     return rows

@@ -92,6 +92,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--enforce-eager", action="store_true",
                     help="no torch.compile warm-up (engine start in seconds instead of minutes on 2 cores; slower "
                          "decoding)")
+    ap.add_argument("--logprobs", type=int, default=0,
+                    help="keep each generated token's top-N log-probabilities (the near-tie check of a bf16 run)")
     ap.add_argument("--one-by-one", action="store_true", help="one generate call per prompt (batch 1)")
     ap.add_argument("--out", required=True, help="JSON file to write")
     return ap.parse_args(argv)
@@ -134,12 +136,19 @@ def main() -> None:
               disable_log_stats=False, seed=0, enforce_eager=args.enforce_eager,
               enable_prefix_caching=not args.no_prefix_caching, **extra)
     load_s = time.perf_counter() - t0
-    params = SamplingParams(temperature=0.0, max_tokens=args.max_tokens, ignore_eos=True)
+    params = SamplingParams(temperature=0.0, max_tokens=args.max_tokens, ignore_eos=True,
+                            logprobs=args.logprobs or None)
     llm.generate(inputs[:1], SamplingParams(temperature=0.0, max_tokens=4), use_tqdm=False)   # warm-up
 
-    def measured(batch: list) -> tuple[list, float, dict]:
-        """(token ids per prompt, seconds, counters) of one generate call: the counters it added, not the warm-up's
-        (with kvshot's proposer, its time among them)"""
+    def top(output) -> list | None:
+        """[[token ids], [log-probabilities]] per generated token, or None without --logprobs"""
+        if not args.logprobs or output.logprobs is None:
+            return None
+        return [[list(step), [round(p.logprob, 5) for p in step.values()]] for step in output.logprobs]
+
+    def measured(batch: list) -> tuple[list, float, dict, list]:
+        """(token ids per prompt, seconds, counters, top log-probabilities per prompt) of one generate call: the
+        counters it added, not the warm-up's (with kvshot's proposer, its time among them)"""
         before, times_before = read_counters(llm.get_metrics()), proposer_times()
         t0 = time.perf_counter()
         outs = llm.generate(batch, params, use_tqdm=False)
@@ -147,27 +156,28 @@ def main() -> None:
         after, times_after = read_counters(llm.get_metrics()), proposer_times()
         counters = {k: minus(after[k], before[k]) for k in after}
         counters.update({f"proposer_{k}": v - times_before.get(k, 0) for k, v in times_after.items()})
-        return [list(o.outputs[0].token_ids) for o in outs], seconds, counters
+        return [list(o.outputs[0].token_ids) for o in outs], seconds, counters, [top(o.outputs[0]) for o in outs]
 
     per_prompt = None
     if args.one_by_one:
-        per_prompt = []
+        per_prompt, top_logprobs = [], []
         for one in inputs:
-            got, secs, count = measured([one])
+            got, secs, count, logprobs = measured([one])
             per_prompt.append({"tokens": got[0], "seconds": secs, "counters": count})
+            top_logprobs += logprobs
         tokens = [p["tokens"] for p in per_prompt]
         seconds = sum(p["seconds"] for p in per_prompt)
         counters = {k: total([p["counters"][k] for p in per_prompt]) for k in per_prompt[0]["counters"]} \
             if per_prompt else {}
     else:
-        tokens, seconds, counters = measured(inputs)
+        tokens, seconds, counters, top_logprobs = measured(inputs)
     speculative = llm.llm_engine.vllm_config.speculative_config
     json.dump({"model": args.model, "speculative": None if speculative is None else {
                    "method": speculative.method, "num_speculative_tokens": speculative.num_speculative_tokens,
                    "draft": speculative.model},
                "dtype": str(llm.llm_engine.vllm_config.model_config.dtype), "load_s": load_s, "seconds": seconds,
-               "tokens": tokens, "generated": sum(len(t) for t in tokens), "counters": counters,
-               "per_prompt": per_prompt, "vllm": vllm_version},
+               "tokens": tokens, "top_logprobs": top_logprobs, "generated": sum(len(t) for t in tokens),
+               "counters": counters, "per_prompt": per_prompt, "vllm": vllm_version},
               open(args.out, "w"), indent=1)
 
 

@@ -54,6 +54,31 @@ def test_a_row_compares_the_engines_on_the_same_prompts():
     assert row["proposer_share"] is None and "proposer_draft_seconds" not in row["per_prompt"]
 
 
+def test_a_bf16_departure_is_lossless_only_at_a_near_tie_of_vllms_own_plain_run():
+    from stages.engine import lossless_fields
+
+    ref = [5, 6, 7]
+    plain = vllm_out([ref], [0], [0], None, [1.0])
+    # the plain run's top log-probabilities at each step: a near tie (6 vs 9) at step 1, no tie at step 2
+    plain["top_logprobs"] = [[[[5, 1], [-0.1, -3.0]], [[6, 9], [-0.70, -0.80]], [[7, 2, 3], [-0.2, -2.5, -4.0]]]]
+    at_tie = vllm_out([[5, 9, 4]], [1], [0], None, [1.0])            # departs at step 1 by 0.10
+    far = vllm_out([[5, 6, 2]], [1], [0], None, [1.0])                # departs at step 2 by 2.3
+    unseen = vllm_out([[5, 6, 8]], [1], [0], None, [1.0])             # a token outside the plain run's top-3
+    tie = lossless_fields(plain, at_tie, 0.25, exact_required=False)
+    assert tie["lossless"] and tie["exact_match"] == 0.0 and tie["max_tie_gap"] == pytest.approx(0.10)
+    assert not lossless_fields(plain, far, 0.25, exact_required=False)["lossless"]
+    assert not lossless_fields(plain, unseen, 0.25, exact_required=False)["lossless"]
+    # in fp32 only identical outputs are lossless; a plain run without scores can only be exact
+    assert not lossless_fields(plain, at_tie, 0.25, exact_required=True)["lossless"]
+    del plain["top_logprobs"]
+    assert not lossless_fields(plain, at_tie, 0.25, exact_required=False)["lossless"]
+    assert lossless_fields(plain, plain, 0.25, exact_required=False)["lossless"]
+    # the report says at which gaps a bf16 output departed
+    row = engine_row({"trial": "eagle3"}, K, {**plain, "top_logprobs": [[[[5], [0.0]], [[6, 9], [-0.7, -0.8]]]]},
+                     at_tie, [decoded(ref, [1, 1, 1], 1.0)], [decoded(ref, [], 1.0)], 0.25, exact_required=False)
+    assert row["lossless"] and engine_frame([row]).loc[0, "lossless"] == "yes (0% identical; departures at gaps ≤ 0.100)"
+
+
 def test_the_kvshot_proposers_own_time_is_split_out_of_vllms():
     a = [1, 2, 3, 4, 5, 6]
     plain = vllm_out([a], [0], [0], None, [1.0])
@@ -143,8 +168,9 @@ def test_run_engines_serves_eagle3_by_export_and_every_other_drafter_through_kvs
     calls = []
 
     def fake_vllm(python, out, prompts_file, model, n, dtype, draft=None, k=None, eager=False, kvshot_drafter=None,
-                  no_prefix_caching=False):
-        calls.append({"draft": draft, "k": k, "eager": eager, "spec": kvshot_drafter, "fresh": no_prefix_caching})
+                  no_prefix_caching=False, logprobs=0):
+        calls.append({"draft": draft, "k": k, "eager": eager, "spec": kvshot_drafter, "fresh": no_prefix_caching,
+                      "logprobs": logprobs})
         counters = {"drafts": 2, "accepted_tokens": 1, "draft_tokens": 2 * (k or 0),
                     "accepted_per_pos": [1] + [0] * ((k or 1) - 1)}
         return {"tokens": tokens, "seconds": 1.0, "vllm": "0.32.0", "counters": counters,
@@ -162,6 +188,8 @@ def test_run_engines_serves_eagle3_by_export_and_every_other_drafter_through_kvs
     assert by["kv_only"]["engine_route"] == by["hybrid"]["engine_route"] == engine.PROPOSER_ROUTE
     plain, eagle, plain_eager, kv, hybrid = calls
     assert plain["draft"] is None and plain["spec"] is None and not plain["fresh"]
+    # both plain runs keep the scores a bf16 departure is judged by; the speculative runs need none
+    assert plain["logprobs"] == plain_eager["logprobs"] == engine.TOP_LOGPROBS and not eagle["logprobs"]
     assert eagle["draft"] is not None and eagle["k"] == 2
     assert plain_eager["eager"] and plain_eager["fresh"] and plain_eager["spec"] is None
     for call, run_dir in ((kv, runs[1]), (hybrid, runs[2])):

@@ -163,6 +163,11 @@ def test_the_e2e_stage_serves_the_drafter_with_vllm_beside_kvshot(served, tmp_pa
     assert r["lossless"] and r["same_as_kvshot_greedy"] == 1.0 and r["draft_tokens"] == K, line
     assert r["accepted_per_pos"][0] > 0.5 and abs(r["tau"] - r["kvshot_tau"]) <= 0.15, line
     assert len(r["per_prompt"]["drafts"]) == 2 and r["engine_version"]
+    # the plain run kept each step's top log-probabilities (a bf16 departure is judged by them): greedy chose the top
+    plain_run = json.loads((tmp_path / "exports" / "vllm-plain-float32.json").read_text())
+    for tokens, steps in zip(plain_run["tokens"], plain_run["top_logprobs"]):
+        assert len(steps) == len(tokens) and all(
+            len(ids) >= 5 and dict(zip(ids, lps))[t] == max(lps) for t, (ids, lps) in zip(tokens, steps))
     assert "## Serving engines" in "\n".join(engine_section(rows))
     print(line)
 
