@@ -7,7 +7,8 @@ from pathlib import Path
 
 @dataclass
 class SweepResult:
-    """What a sweep did: one row per planned trial (plan order), and which trials ran, were skipped, failed."""
+    """What a sweep did: one row per planned trial (plan order) but those a stop cut off (they resume next run),
+    and which trials ran, were skipped, failed."""
 
     study: str
     rows: list[dict]

@@ -40,7 +40,7 @@ from pipeline.plan import plan, varying_keys, waves
 from pipeline.plan_file import read_study_plan, write_study_plan
 from pipeline.result import SweepResult
 from pipeline.standalone import fingerprint_trials
-from pipeline.trial import (Trial, TrialFn, adopt_finished, cached_result, failed_row, finished_elsewhere, json_safe,
+from pipeline.trial import (Trial, TrialFn, adopt_finished, cached_result, finished_elsewhere, json_safe,
                            run_trial)
 from stages.common import Paths, write_json_atomic
 
@@ -89,9 +89,11 @@ def run_sweep(trials: list[Trial], paths: Paths, trial_fn: TrialFn = run_trial, 
                 forward.progress.track(todo, trial_slots(cfg.ray))
                 run_trials(todo, rows, paths, cfg, trial_fn, forward, f"{study}-{time.strftime('%Y%m%d-%H%M%S')}",
                            submitted)
-        rows.update(forward.rows)
     finally:
-        ordered = [rows.get(t.name) or failed_row(t, "sweep interrupted") for t in trials]
+        rows.update(forward.rows)      # with the rows of the trials that finished before a stop
+        # a trial without a row was cut off by a stop (SIGTERM, Ctrl-C): it is not a result, failed or not, and
+        # the next run resumes it, so the metrics file leaves it out (a report lists it as not run yet)
+        ordered = [rows[t.name] for t in trials if t.name in rows]
         failed = [r["trial"] for r in ordered if r.get("status") != "ok"]
         result = SweepResult(study=study, rows=ordered, ran=submitted,
                              skipped=skipped, failed_names=failed, metrics_path=paths.stepwise_metrics(study),

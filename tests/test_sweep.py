@@ -730,6 +730,29 @@ def test_killed_sweep_resumes_without_redoing_finished_trials(ray_local, project
     assert _calls(project).count("kv_only-d3") == 1
 
 
+def test_a_stopped_sweep_writes_no_row_for_the_trials_it_cut_off(project, monkeypatch):
+    """A stop (SIGTERM, Ctrl-C) mid-sweep keeps the rows of the trials that finished and writes none for the
+    others: they are not results (a report lists them as not run yet) and the next run resumes them."""
+    import contextlib
+
+    from pipeline import sweep
+
+    def stopped_after_one(todo, done, paths, cfg, trial_fn, forward, label, started):
+        first = todo[0]
+        forward.start(first.name)
+        forward.finish(first.name, {"trial": first.name, "study": first.study, "status": "ok", "mat": 2.0})
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(sweep, "ray_session", lambda *a, **k: contextlib.nullcontext())
+    monkeypatch.setattr(sweep, "run_trials", stopped_after_one)
+    monkeypatch.setattr(sweep, "trial_slots", lambda *a: 1)
+    trials = plan(smoke(), parse_overrides(["depth=1,2,3"]))
+    with pytest.raises(KeyboardInterrupt):
+        run_sweep(trials, project, trial_fn=quick_trial, track=False)
+    rows = json.loads(project.stepwise_metrics(trials[0].study).read_text())
+    assert [r["trial"] for r in rows] == [trials[0].name] and rows[0]["status"] == "ok"
+
+
 def test_a_trial_alone_on_the_node_computes_on_every_cpu(monkeypatch):
     """The idle CPUs are lent only while no other trial holds any, only on a single CPU-only node, and taken back
     at the next check once another trial starts."""
