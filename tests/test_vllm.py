@@ -92,8 +92,9 @@ def per_position(accept_lengths: list[int]) -> tuple[int, list[int]]:
 
 @pytest.fixture(scope="module")
 def plain(served) -> dict:
-    """vLLM's own greedy decoding of the two prompts (the reference every speculative run must equal)."""
-    return vllm_generate(served, "plain", "--model", str(served["verifier"]))
+    """vLLM's own greedy decoding of the two prompts (the reference every speculative run must equal), with each
+    step's top-5 log-probabilities."""
+    return vllm_generate(served, "plain", "--model", str(served["verifier"]), "--logprobs", "5")
 
 
 def test_vllm_serves_the_export_losslessly_and_its_acceptance_is_kvshots(served, plain):
@@ -105,6 +106,10 @@ def test_vllm_serves_the_export_losslessly_and_its_acceptance_is_kvshots(served,
     assert plain["speculative"] is None and plain["dtype"] == "torch.float32"
     assert spec["speculative"]["num_speculative_tokens"] == K
     assert all(len(t) == NEW_TOKENS for t in plain["tokens"])
+    # it kept each step's top log-probabilities (what a bf16 departure is judged by): greedy chose the top one
+    for tokens, steps in zip(plain["tokens"], plain["top_logprobs"]):
+        assert len(steps) == len(tokens) and all(
+            len(ids) >= 5 and dict(zip(ids, lps))[t] == max(lps) for t, (ids, lps) in zip(tokens, steps))
     assert spec["tokens"] == plain["tokens"]                                                # lossless
     # kvshot's plain greedy of the same weights in fp32 gives the same text as the engine
     from models.decoding import greedy_generate
@@ -163,11 +168,7 @@ def test_the_e2e_stage_serves_the_drafter_with_vllm_beside_kvshot(served, tmp_pa
     assert r["lossless"] and r["same_as_kvshot_greedy"] == 1.0 and r["draft_tokens"] == K, line
     assert r["accepted_per_pos"][0] > 0.5 and abs(r["tau"] - r["kvshot_tau"]) <= 0.15, line
     assert len(r["per_prompt"]["drafts"]) == 2 and r["engine_version"]
-    # the plain run kept each step's top log-probabilities (a bf16 departure is judged by them): greedy chose the top
-    plain_run = json.loads((tmp_path / "exports" / "vllm-plain-float32.json").read_text())
-    for tokens, steps in zip(plain_run["tokens"], plain_run["top_logprobs"]):
-        assert len(steps) == len(tokens) and all(
-            len(ids) >= 5 and dict(zip(ids, lps))[t] == max(lps) for t, (ids, lps) in zip(tokens, steps))
+    assert r["scored_plain_identical"] is None       # fp32: lossless is exact equality, no scored plain run
     assert "## Serving engines" in "\n".join(engine_section(rows))
     print(line)
 
