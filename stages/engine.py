@@ -12,9 +12,9 @@ Both ignore the end-of-sequence token, so every prompt yields `max_new_tokens` i
 Per drafter and draft length one row (metrics/engine.json): lossless (vLLM's output with the drafter
 token-identical to its own plain greedy in fp32; in bf16, departing from it only at a near tie of vLLM's own plain
 run, the rule kvshot's e2e rows follow: a second plain run, untimed, keeps every step's top log-probabilities for
-that, since keeping them slows vLLM's decoding by a third), the engine's mean acceptance length and per-position acceptance from its
-counters beside kvshot's chain acceptance on the same prompts, tokens/s and speedup of each engine over its own
-plain decoding, and every prompt's sums for the report's intervals.
+that, since keeping them slows vLLM's decoding by a third), the engine's mean acceptance length and per-position
+acceptance from its counters beside kvshot's chain acceptance on the same prompts, tokens/s and speedup of each
+engine over its own plain decoding, and every prompt's sums for the report's intervals.
 """
 from __future__ import annotations
 
@@ -71,7 +71,8 @@ def run_vllm(python: Path, out: Path, prompts_file: Path, model: Path, n_new: in
     return json.loads(out.read_text())
 
 
-def departure(reference: list[int], scores: list | None, output: list[int], tolerance: float) -> tuple[bool, float | None]:
+def departure(reference: list[int], scores: list | None, output: list[int],
+              tolerance: float) -> tuple[bool, float | None]:
     """(lossless, gap) of one output against the reference greedy one, with the reference run's top
     log-probabilities per step (`scores`: [[token ids], [log-probabilities]], as vllm_generate.py --logprobs writes
     them): identical, or departing first where the output's token is within `tolerance` of the top-1 there

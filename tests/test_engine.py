@@ -76,7 +76,8 @@ def test_a_bf16_departure_is_lossless_only_at_a_near_tie_of_vllms_own_plain_run(
     # the report says at which gaps a bf16 output departed
     row = engine_row({"trial": "eagle3"}, K, {**plain, "top_logprobs": [[[[5], [0.0]], [[6, 9], [-0.7, -0.8]]]]},
                      at_tie, [decoded(ref, [1, 1, 1], 1.0)], [decoded(ref, [], 1.0)], 0.25, exact_required=False)
-    assert row["lossless"] and engine_frame([row]).loc[0, "lossless"] == "yes (0% identical; departures at gaps ≤ 0.100)"
+    assert row["lossless"]
+    assert engine_frame([row]).loc[0, "lossless"] == "yes (0% identical; departures at gaps ≤ 0.100)"
 
 
 def test_the_kvshot_proposers_own_time_is_split_out_of_vllms():
