@@ -3,7 +3,7 @@
 For `e2e.engines: [kvshot, vllm]` the e2e stage hands its measured prompts and drafters here. vLLM serves the target
 saved as the weights the drafters were trained against (`export_verifier.save_verifier`) and decodes the prompts
 greedily one at a time (batch 1, as kvshot's loop), plainly and with each drafter it can serve at each of
-`e2e.engine_draft_tokens`: an EAGLE-3 head (`export.EXPORTABLE_VARIANTS`) exported in the `eagle3` format, a KV-only
+`e2e.engine_draft_tokens`: an EAGLE-3 head (`export.EXPORTABLE_VARIANTS`) exported in the `eagle3` format, and
 any other drafter (KV-only, hybrid, cross-only, block) through kvshot's `custom_class` proposer
 (`stages/vllm_proposer.py`: eager, compared with a plain run that is eager too). kvshot
 decodes the same prompts with the same drafter as a chain of as many draft tokens (`TreeSpec.chain`) and plainly.
@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import json
 import subprocess
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -153,6 +154,42 @@ def engine_row(setting: dict, k: int, plain: dict, spec: dict, chain: list, gree
                                "proposer_draft_seconds": [round(d, 6) for _, d in proposer]} if timed else {})}}
 
 
+@dataclass
+class VllmRuns:
+    """vLLM's runs of one e2e setup (its environment's python, the saved verifier, the prompts file, the length and
+    dtype), each written under `work` by its own name"""
+    python: Path
+    work: Path
+    prompts_file: Path
+    verifier: Path
+    n_new: int
+    dtype: str
+    eager: bool
+
+    def run(self, name: str, **kwargs: Any) -> dict:
+        return run_vllm(self.python, self.work / name, self.prompts_file, self.verifier, self.n_new, self.dtype,
+                        **kwargs)
+
+    def plain(self, name: str, **kwargs: Any) -> tuple[dict, dict | None]:
+        """vLLM's plain greedy run, timed, and in bf16 the same run again keeping its scores (untimed)"""
+        timed = self.run(f"{name}.json", **kwargs)
+        return timed, None if self.dtype == "float32" else self.run(f"{name}-scored.json", logprobs=TOP_LOGPROBS,
+                                                                     **kwargs)
+
+    def served(self, run_dir: Path, trial: str, k: int, own_route: bool, tgt: Any) -> dict:
+        """vLLM's speculative run of one drafter at draft length k: through kvshot's proposer (its own route) or
+        through its EAGLE-3 export"""
+        from stages import export as ex
+        from stages.vllm_proposer import write_spec
+
+        if own_route:
+            spec_file = write_spec(self.work / f"{trial}-drafter.json", run_dir, tgt.kv_layers, tgt.feature_layers)
+            return self.run(f"vllm-{trial}-k{k}.json", k=k, kvshot_drafter=spec_file)
+        out = self.work / f"{trial}-eagle3-k{k}"
+        ex.export(run_dir, "eagle3", out, self.verifier, dtype=self.dtype, overwrite=True, num_speculative_tokens=k)
+        return self.run(f"vllm-{trial}-k{k}.json", draft=out, k=k, eager=self.eager)
+
+
 def run_engines(draft_tokens: list[int], run_dirs: list[Path], settings: list[dict], prompts: list, tgt: Any,
                 target: TargetParams, dtype: str, n_new: int, paths: Paths, bar: Any = None,
                 eager: bool = False, keep: list[dict] = (), tie_tolerance: float = 0.25) -> list[dict]:
@@ -165,24 +202,15 @@ def run_engines(draft_tokens: list[int], run_dirs: list[Path], settings: list[di
     from stages.code_hash import DECODE_CODE, code_hash
     from stages.engine_env import vllm_python
     from stages.export_verifier import save_verifier
-    from stages.vllm_proposer import SERVED_VARIANTS, kvshot_proposer, write_spec
+    from stages.vllm_proposer import SERVED_VARIANTS, kvshot_proposer
 
-    python = vllm_python()
     work = paths.root / "exports"
     work.mkdir(parents=True, exist_ok=True)
     verifier = save_verifier(target.model_copy(update={"dtype": dtype}), paths, work / f"verifier-{dtype}")
-    prompts_file = work / "engine-prompts.json"
-    write_json_atomic(prompts_file, [p.tolist() for p in prompts])
-
-    def vllm(name: str, **kwargs: Any) -> dict:
-        return run_vllm(python, work / name, prompts_file, Path(verifier.name_or_path), n_new, dtype, **kwargs)
-
-    def plain_runs(name: str, **kwargs: Any) -> tuple[dict, dict | None]:
-        """vLLM's plain greedy run, timed, and in bf16 the same run again keeping its scores (untimed)"""
-        timed = vllm(f"{name}.json", **kwargs)
-        return timed, None if dtype == "float32" else vllm(f"{name}-scored.json", logprobs=TOP_LOGPROBS, **kwargs)
-
-    plain, scored = plain_runs(f"vllm-plain-{dtype}", eager=eager)
+    vllm = VllmRuns(vllm_python(), work, work / "engine-prompts.json", Path(verifier.name_or_path), n_new, dtype,
+                    eager)
+    write_json_atomic(vllm.prompts_file, [p.tolist() for p in prompts])
+    plain, scored = vllm.plain(f"vllm-plain-{dtype}", eager=eager)
     greedy = [greedy_generate(tgt, p, n_new) for p in prompts]
     common = {"dtype": dtype, "num_prompts": len(prompts), "max_new_tokens": n_new, "engine_eager": eager,
               "code": code_hash(patterns=DECODE_CODE)}
@@ -200,16 +228,9 @@ def run_engines(draft_tokens: list[int], run_dirs: list[Path], settings: list[di
         drafter, _ = ckpt.load_drafter(run_dir, tgt)
         own_route = variant in SERVED_VARIANTS
         if own_route and plain_eager is None:
-            plain_eager, scored_eager = plain_runs(f"vllm-plain-{dtype}-eager", eager=True, no_prefix_caching=True)
+            plain_eager, scored_eager = vllm.plain(f"vllm-plain-{dtype}-eager", eager=True, no_prefix_caching=True)
         for k in draft_tokens:
-            if own_route:
-                spec_file = write_spec(work / f"{setting['trial']}-drafter.json", run_dir, tgt.kv_layers,
-                                       tgt.feature_layers)
-                spec = vllm(f"vllm-{setting['trial']}-k{k}.json", k=k, kvshot_drafter=spec_file)
-            else:
-                out = work / f"{setting['trial']}-eagle3-k{k}"
-                ex.export(run_dir, "eagle3", out, verifier, dtype=dtype, overwrite=True, num_speculative_tokens=k)
-                spec = vllm(f"vllm-{setting['trial']}-k{k}.json", draft=out, k=k, eager=eager)
+            spec = vllm.served(run_dir, setting["trial"], k, own_route, tgt)
             chain = [speculative_generate(tgt, p, n_new, kvshot_proposer(drafter, tgt), TreeSpec.chain(k))
                      for p in prompts]
             route = {"engine_route": PROPOSER_ROUTE, "engine_eager": True} if own_route \

@@ -112,21 +112,27 @@ def serve_kvshot_drafter(args: argparse.Namespace) -> None:
     args.enforce_eager, args.no_prefix_caching = True, True
 
 
+def speculative_config(args: argparse.Namespace) -> dict | None:
+    """vLLM's speculative_config for the command line: an EAGLE-3 export, kvshot's own drafter through its proposer
+    class (whose spec file it points the proposer at), a draft length alone, or none (plain greedy)"""
+    if args.draft:
+        return {"method": "eagle3", "model": args.draft, "num_speculative_tokens": args.num_speculative_tokens or 3}
+    if args.kvshot_drafter:
+        serve_kvshot_drafter(args)
+        return {"method": "custom_class", "model": "stages.vllm_proposer.KvshotProposer",
+                "num_speculative_tokens": args.num_speculative_tokens or 3}
+    if args.num_speculative_tokens:
+        return {"num_speculative_tokens": args.num_speculative_tokens}
+    return None
+
+
 def main() -> None:
     args = parse_args()
 
     from vllm import LLM, SamplingParams
     from vllm import __version__ as vllm_version
 
-    spec = None
-    if args.draft:
-        spec = {"method": "eagle3", "model": args.draft, "num_speculative_tokens": args.num_speculative_tokens or 3}
-    elif args.kvshot_drafter:
-        serve_kvshot_drafter(args)
-        spec = {"method": "custom_class", "model": "stages.vllm_proposer.KvshotProposer",
-                "num_speculative_tokens": args.num_speculative_tokens or 3}
-    elif args.num_speculative_tokens:
-        spec = {"num_speculative_tokens": args.num_speculative_tokens}
+    spec = speculative_config(args)
     # batch 1 decodes one request at a time; kvshot's proposer keeps the target's KV by batch row, so it must too
     extra = {"max_num_seqs": 1} if args.one_by_one or args.kvshot_drafter else {}
     prompts = json.load(open(args.prompts))
