@@ -161,14 +161,14 @@ class VllmRuns:
     python: Path
     work: Path
     prompts_file: Path
-    verifier: Path
+    verifier: Any           # export_verifier.Verifier: what the EAGLE-3 exports are made for, and the model vLLM loads
     n_new: int
     dtype: str
     eager: bool
 
     def run(self, name: str, **kwargs: Any) -> dict:
-        return run_vllm(self.python, self.work / name, self.prompts_file, self.verifier, self.n_new, self.dtype,
-                        **kwargs)
+        return run_vllm(self.python, self.work / name, self.prompts_file, Path(self.verifier.name_or_path), self.n_new,
+                        self.dtype, **kwargs)
 
     def plain(self, name: str, **kwargs: Any) -> tuple[dict, dict | None]:
         """vLLM's plain greedy run, timed, and in bf16 the same run again keeping its scores (untimed)"""
@@ -207,8 +207,7 @@ def run_engines(draft_tokens: list[int], run_dirs: list[Path], settings: list[di
     work = paths.root / "exports"
     work.mkdir(parents=True, exist_ok=True)
     verifier = save_verifier(target.model_copy(update={"dtype": dtype}), paths, work / f"verifier-{dtype}")
-    vllm = VllmRuns(vllm_python(), work, work / "engine-prompts.json", Path(verifier.name_or_path), n_new, dtype,
-                    eager)
+    vllm = VllmRuns(vllm_python(), work, work / "engine-prompts.json", verifier, n_new, dtype, eager)
     write_json_atomic(vllm.prompts_file, [p.tolist() for p in prompts])
     plain, scored = vllm.plain(f"vllm-plain-{dtype}", eager=eager)
     greedy = [greedy_generate(tgt, p, n_new) for p in prompts]

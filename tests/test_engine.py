@@ -171,7 +171,7 @@ def test_run_engines_serves_eagle3_by_export_and_every_other_drafter_through_kvs
     def fake_vllm(python, out, prompts_file, model, n, dtype, draft=None, k=None, eager=False, kvshot_drafter=None,
                   no_prefix_caching=False, logprobs=0):
         calls.append({"draft": draft, "k": k, "eager": eager, "spec": kvshot_drafter, "fresh": no_prefix_caching,
-                      "logprobs": logprobs})
+                      "logprobs": logprobs, "model": model})
         counters = {"drafts": 2, "accepted_tokens": 1, "draft_tokens": 2 * (k or 0),
                     "accepted_per_pos": [1] + [0] * ((k or 1) - 1)}
         return {"tokens": tokens, "seconds": 1.0, "vllm": "0.32.0", "counters": counters,
@@ -181,7 +181,13 @@ def test_run_engines_serves_eagle3_by_export_and_every_other_drafter_through_kvs
     monkeypatch.setattr(engine_env, "vllm_python", lambda: tmp_path / "python")
     monkeypatch.setattr(export_verifier, "save_verifier",
                         lambda params, paths, directory: SimpleNamespace(name_or_path=str(directory)))
-    monkeypatch.setattr(export, "export", lambda run_dir, fmt, out, *a, **k: out)
+    exported = []
+
+    def fake_export(run_dir, fmt, out, verifier, **kwargs):
+        exported.append(verifier)
+        return out
+
+    monkeypatch.setattr(export, "export", fake_export)
     settings = [{"trial": r.name, "study": "block"} for r in runs]
     rows = engine.run_engines([2], runs, settings, prompts, tgt, TargetParams(), "bfloat16", n_new, Paths(tmp_path))
     by = {r["trial"]: r for r in rows}
@@ -195,6 +201,9 @@ def test_run_engines_serves_eagle3_by_export_and_every_other_drafter_through_kvs
     assert (scored["eager"], scored["fresh"]) == (plain["eager"], plain["fresh"])
     assert (scored_eager["eager"], scored_eager["fresh"]) == (True, True)
     assert eagle["draft"] is not None and eagle["k"] == 2
+    # the export is made for the saved verifier itself (its sizes are checked), vLLM loads it from its folder
+    assert [v.name_or_path for v in exported] == [str(plain["model"])] == [
+        str(tmp_path / "exports" / "verifier-bfloat16")]
     assert plain_eager["eager"] and plain_eager["fresh"] and plain_eager["spec"] is None
     for call, run_dir in ((kv, runs[1]), (hybrid, runs[2])):
         assert call["k"] == 2 and json.loads(Path(call["spec"]).read_text()) == {
