@@ -62,3 +62,20 @@ def speculators_python() -> Path:
     if not (_imports_speculators(python) and works(python)):
         pytest.skip(f"{python.parent.parent}: {SPECULATORS_PIN} installed but it or vLLM does not import")
     return python
+
+
+def main() -> int:
+    """`make test`'s set-up step: the engine's environment with `speculators`, found or built before pytest starts
+    (a fresh clone pays its install here, as it pays `.venv`'s, not inside a test's time). Never fails: where it
+    cannot be had, the tests that need it are skipped and say why."""
+    try:
+        python = speculators_python()
+    except pytest.skip.Exception as exc:
+        print(f"engine environment: not available ({exc.msg}); the vLLM and speculators tests will be skipped")
+        return 0
+    print(f"engine environment: {python.parent.parent} (vLLM and speculators)")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
