@@ -44,8 +44,11 @@ engine-env: setup
 repro: setup
 	$(BIN)/kvshot repro
 
+# Two pytest-xdist workers, a test file each at a time (its module fixtures built once): on two cores one waits
+# on a subprocess (Ray, vLLM, a DVC stage) while the other computes.
+TEST_WORKERS ?= 2
 test: setup browser engine-env
-	$(BIN)/python -m pytest -q --timeout=1800 --durations=20
+	$(BIN)/python -m pytest -q -n $(TEST_WORKERS) --dist loadfile --timeout=1800 --durations=20
 
 test-fast: setup
 	$(BIN)/python -m pytest -q -m "not slow" --timeout=600

@@ -15,7 +15,9 @@ os.environ.setdefault("MPLBACKEND", "Agg")
 import pytest  # noqa: E402
 import torch  # noqa: E402
 
-torch.set_num_threads(int(os.environ.get("KVSHOT_TEST_THREADS", "2")))
+# two cores: two torch threads, or one per pytest-xdist worker (`make test` runs two), so they do not oversubscribe
+_WORKERS = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
+torch.set_num_threads(int(os.environ.get("KVSHOT_TEST_THREADS", max(1, 2 // _WORKERS))))
 
 from pathlib import Path  # noqa: E402
 
