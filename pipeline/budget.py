@@ -85,18 +85,36 @@ def _with_target(want: dict) -> tuple:
     return _drafter_setting({**want, **{k: False for k in _NO_TARGET}})
 
 
-def estimated_seconds(trials: list[Trial], rows: list[dict], cfg: Config) -> dict[str, float]:
+def _likeness(row: dict, machine: str | None, own_threads: int) -> int:
+    """How alike a row's pace was measured to a trial's of this sweep: 2 on this machine at the trial's own share of
+    threads (a trial beside others), 1 on this machine at more threads (alone, every CPU lent to it, faster a step),
+    0 elsewhere or unrecorded (rows before `pipeline.trial.ran_on`)."""
+    if machine is None or row.get("machine") != machine:
+        return 0
+    threads = row.get("threads")
+    return 2 if isinstance(threads, (int, float)) and threads <= own_threads + 0.25 else 1
+
+
+def estimated_seconds(trials: list[Trial], rows: list[dict], cfg: Config, machine: str | None = None) \
+        -> dict[str, float]:
     """A trial without a row of its own, estimated from paces: its optimizer steps (its epochs at its scale's steps
     per epoch, `_steps_per_epoch`) times the seconds per step (`wall_s` / `train_steps`, evaluation included) of
     the rows of its drafter setting at any scale, seed or schedule (a no-target control without rows: those of the
-    drafter of its shape that reads the target, `_with_target`). Trials with no such row are left out."""
+    drafter of its shape that reads the target, `_with_target`). Of those rows only the most alike are averaged
+    (`_likeness`: measured on `machine` at the trial's own share of threads before alone on it, before elsewhere),
+    as a step's time differs between machines (several times over without native bf16) and between a trial
+    alone and two side by side.
+    Trials with no such row are left out."""
     import math
 
     per_epoch = _steps_per_epoch(cfg, rows)
-    pace: dict[tuple, list[float]] = {}
+    own = max(1, int(cfg.ray.cpus_per_trial))
+    paces: dict[tuple, list[tuple[int, float]]] = {}
     for r in rows:
         if isinstance(r.get("wall_s"), (int, float)) and isinstance(r.get("train_steps"), int) and r["train_steps"]:
-            pace.setdefault(_drafter_setting(setting_columns(r)), []).append(r["wall_s"] / r["train_steps"])
+            paces.setdefault(_drafter_setting(setting_columns(r)), []).append(
+                (_likeness(r, machine, own), r["wall_s"] / r["train_steps"]))
+    pace = {k: [p for like, p in v if like == max(like for like, _ in v)] for k, v in paces.items()}
     out = {}
     for t in trials:
         tp, want = t.config.train, setting_of(t)
@@ -116,13 +134,14 @@ def _rows(path: Path) -> list[dict]:
     return [r for r in rows if isinstance(r, dict)] if isinstance(rows, list) else []
 
 
-def replayed_parts(cfg: Config, stepwise: Path) -> dict[str, dict]:
+def replayed_parts(cfg: Config, stepwise: Path, machine: str | None = None) -> dict[str, dict]:
     """Per part `STUDY/PART` (a study without parts is one, `STUDY/(whole)`): its trial count, whether the study
     decodes some of them end to end and, when every trial has a measured row in `stepwise/STUDY.json`, the seconds
     its trials take replayed as one sweep. Else the trials without one (`missing`) and, when each of them can be
     estimated from the paces of its drafter setting's rows (`estimated_seconds`), the replay with those estimates
     (`estimated_s`, naming the estimated trials in `estimated`). Beside either, `unwaved_s`: the same replay with
-    each child started as soon as its parent has finished (`replay(waves=False)`), what the waves cost."""
+    each child started as soon as its parent has finished (`replay(waves=False)`), what the waves cost. Estimates
+    prefer paces measured on `machine` (`estimated_seconds`): the one the parts will run on, when known."""
     out: dict[str, dict] = {}
     by_study = {study: _rows(Path(stepwise) / f"{study}.json") for study in cfg.studies}
     everywhere = [r for rows in by_study.values() for r in rows]
@@ -137,11 +156,11 @@ def replayed_parts(cfg: Config, stepwise: Path) -> dict[str, dict]:
                                           "unwaved_s": round(replay(part, took, cfg.ray.max_concurrent, False), 1)}
                 continue
             got["missing"] = missing
-            guess = estimated_seconds([t for t in part if t.name in missing], rows, cfg)
+            guess = estimated_seconds([t for t in part if t.name in missing], rows, cfg, machine)
             # a study without rows of a setting (one that only sweeps, say, the learning rate of another study's
             # drafters) is paced by the rows of that setting in the profile's other studies
             guess.update(estimated_seconds([t for t in part if t.name in missing and t.name not in guess],
-                                           everywhere, cfg))
+                                           everywhere, cfg, machine))
             if len(guess) == len(missing):
                 got.update(estimated=missing,
                            estimated_s=round(replay(part, {**took, **guess}, cfg.ray.max_concurrent), 1),

@@ -32,6 +32,7 @@ class CpuShare:
         self.last = time.monotonic()            # the first check waits: trials starting together are all placed
         self.nodes: int | None = None
         torch.set_num_threads(max(1, int(own)))     # a reused worker may still hold the previous trial's loan
+        self.begun, self.changed, self.thread_s = self.last, self.last, 0.0
 
     def update(self) -> int | None:
         import ray
@@ -50,5 +51,16 @@ class CpuShare:
             n = max(1, int(self.own))
         if n == torch.get_num_threads():
             return None
+        self.thread_s += torch.get_num_threads() * (now - self.changed)
+        self.changed = now
         torch.set_num_threads(n)
         return n
+
+    def mean_threads(self) -> float:
+        """The torch threads the trial computed on so far, averaged over its time: its row records it, so a pace
+        measured alone on every CPU is not taken for one measured beside other trials (`pipeline.budget`)."""
+        import torch
+
+        now = time.monotonic()
+        total = self.thread_s + torch.get_num_threads() * (now - self.changed)
+        return total / (now - self.begun) if now > self.begun else float(torch.get_num_threads())

@@ -123,7 +123,7 @@ def _trainable(config: dict, trials: dict[str, Trial], paths: Paths, trial_fn: T
             print(f"{trial.name}: {threads} torch thread(s) ({why})", flush=True)
         _worker_report(metrics, step)
 
-    row = execute(trial, paths, report, trial_fn)
+    row = execute(trial, paths, report, trial_fn, share.mean_threads)
     config_json = trial.run_dir(paths) / "config.json"
     ckpt_config = None
     if row["status"] == "ok" and config_json.is_file():

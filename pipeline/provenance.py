@@ -109,14 +109,14 @@ def provenance(cfg: Config, paths) -> dict:
 
 
 def _replayed(cfg: Config, paths) -> dict:
-    """Each study part's trials replayed as one sweep from their measured rows (pipeline.budget); {} when the
-    profile names no parts."""
+    """Each study part's trials replayed as one sweep from their measured rows (pipeline.budget), the trials not
+    run yet paced by rows measured on this machine where there are any; {} when the profile names no parts."""
     from pipeline.budget import replayed_parts
     from pipeline.config import ConfigError
 
     if not any(study.parts for study in cfg.studies.values()):
         return {}
     try:
-        return replayed_parts(cfg, Path(paths.root) / "metrics" / "stepwise")
+        return replayed_parts(cfg, Path(paths.root) / "metrics" / "stepwise", hardware())
     except ConfigError:   # parts that no longer fit the plan: every sweep of the study says so
         return {}

@@ -180,8 +180,21 @@ def failed_row(trial: Trial, error: str, wall_s: float | None = None) -> dict:
             "status": "failed", "error": error, "wall_s": wall_s}
 
 
-def execute(trial: Trial, paths: Paths, report: Report, trial_fn: TrialFn) -> dict:
-    """Run `trial_fn` in a prepared run directory; return its row (status ok) or a failed row, never raise.
+def ran_on(threads: Callable[[], float] | None = None) -> dict:
+    """Where a trial's `wall_s` was measured: the machine (`pipeline.provenance.hardware`) and the torch threads it
+    computed on, averaged over its time (`threads`, else the current count): a pace is only comparable with paces
+    measured alike (`pipeline.budget.estimated_seconds`)."""
+    import torch
+
+    from pipeline.provenance import hardware
+
+    return {"machine": hardware(), "threads": round(threads() if threads else float(torch.get_num_threads()), 2)}
+
+
+def execute(trial: Trial, paths: Paths, report: Report, trial_fn: TrialFn,
+            threads: Callable[[], float] | None = None) -> dict:
+    """Run `trial_fn` in a prepared run directory; return its row (status ok) or a failed row, never raise. The row
+    says where its time was measured (`ran_on`, with `threads` the trial's mean torch threads).
 
     On success result.json is written last and atomically, so its presence marks a finished trial.
     """
@@ -193,7 +206,7 @@ def execute(trial: Trial, paths: Paths, report: Report, trial_fn: TrialFn) -> di
             raise TypeError(f"trial function returned {type(row).__name__}, expected a result row dict")
         row = json_safe({**base_row(trial), **row, "trial": trial.name, "study": trial.study,
                          "fingerprint": trial.fingerprint, "status": "ok", "error": None,
-                         "wall_s": round(time.perf_counter() - start, 3)})
+                         "wall_s": round(time.perf_counter() - start, 3), **ran_on(threads)})
         write_json_atomic(run_dir / RESULT_FILE, row)
         return row
     except BaseException as exc:  # noqa: BLE001 - a trial's failure is data for the sweep, not a crash

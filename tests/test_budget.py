@@ -2,6 +2,8 @@
 (its setting read as the report reads a row: a field a row lacks holds its default), replayed as one sweep."""
 import json
 
+import pytest
+
 from pipeline.budget import replayed_parts, row_matches
 from pipeline.config import load_config
 
@@ -98,3 +100,25 @@ def test_a_study_without_rows_is_paced_by_its_settings_rows_in_other_studies(tmp
     got = replayed_parts(cfg, tmp_path)["block_lr/lr-hidden"]
     assert sorted(got["estimated"]) == sorted(got["missing"]) and len(got["missing"]) == 3
     assert got["estimated_s"] > 0
+
+
+def test_estimates_prefer_paces_measured_here_beside_other_trials(tmp_path):
+    """A step's time differs between machines and between a trial alone on every CPU and two side by side: a setting's rows measured on this machine at a trial's own share of threads (1 in the study
+    profile) set its pace, before rows measured alone here, before rows from elsewhere or without a record."""
+    cfg = load_config("study")
+    here = "2 CPU cores (AMD EPYC, native bf16), 23 GiB RAM, no GPU"
+    block = [row("block", depth=2, context="both", wall=1000.0, train_steps=1000),                # unrecorded
+             row("block", depth=2, context="both", wall=2000.0, train_steps=1000, machine="another", threads=1.0)]
+    (tmp_path / "block.json").write_text(json.dumps(block))
+
+    def lr_both(machine):
+        return replayed_parts(cfg, tmp_path, machine)["block_lr/lr-both"]["estimated_s"]
+
+    everywhere = lr_both(here)                              # nothing measured here: every row's pace, 1.5 s a step
+    alone = block + [row("block", depth=2, context="both", wall=3000.0, train_steps=1000, machine=here, threads=1.9)]
+    (tmp_path / "block.json").write_text(json.dumps(alone))
+    assert lr_both(here) == pytest.approx(everywhere * 3.0 / 1.5)
+    beside = alone + [row("block", depth=2, context="both", wall=4000.0, train_steps=1000, machine=here, threads=1.0)]
+    (tmp_path / "block.json").write_text(json.dumps(beside))
+    assert lr_both(here) == pytest.approx(everywhere * 4.0 / 1.5)
+    assert lr_both(None) == pytest.approx(everywhere * (1.0 + 2.0 + 3.0 + 4.0) / 4 / 1.5)   # no machine named

@@ -467,6 +467,7 @@ def test_sweep_tracks_reruns_nothing_and_grows(ray_local, project):
                 "retention"} <= set(r) and r["status"] == "ok"
         assert (project.run_dir("adhoc", r["trial"]) / "fingerprint").read_text().strip() == r["fingerprint"]
         assert r["role"] == "trial"
+        assert r["machine"].startswith(f"{os.cpu_count()} CPU cores") and r["threads"] >= 1   # where its time ran
     # the plan it executed, written into the workspace with each trial's fingerprint
     executed = read_study_plan(project, "adhoc")
     assert [(e.name, e.fingerprint, e.role) for e in executed] == [(r["trial"], r["fingerprint"], "trial")
@@ -784,6 +785,35 @@ def test_a_trial_alone_on_the_node_computes_on_every_cpu(monkeypatch):
         slow = CpuShare(1, every_s=3600.0)
         free["CPU"] = 1.0
         assert slow.update() is None and torch.get_num_threads() == 1   # checks are spaced
+    finally:
+        torch.set_num_threads(before)
+
+
+def test_a_trial_records_the_threads_it_computed_on_averaged_over_its_time(monkeypatch):
+    """A pace measured on every CPU is not one measured beside another trial (`pipeline.budget`): the row records
+    the mean of the trial's torch threads over its time, loans included."""
+    import ray
+    import torch
+
+    import pipeline.cpu_share as cpu_share
+
+    clock = [100.0]
+    free = {"CPU": 1.0}
+    monkeypatch.setattr(cpu_share.time, "monotonic", lambda: clock[0])
+    monkeypatch.setattr(ray, "is_initialized", lambda: True)
+    monkeypatch.setattr(ray, "nodes", lambda: [{"Alive": True}])
+    monkeypatch.setattr(ray, "cluster_resources", lambda: {"CPU": 2.0})
+    monkeypatch.setattr(ray, "available_resources", lambda: dict(free))
+    before = torch.get_num_threads()
+    try:
+        share = cpu_share.CpuShare(1, every_s=0.0)
+        clock[0] = 130.0
+        assert share.update() == 2                          # 30 s on 1 thread, then alone
+        clock[0] = 160.0
+        free["CPU"] = 0.0
+        assert share.update() == 1                          # 30 s on 2 threads, then beside a child again
+        clock[0] = 220.0                                    # 60 s on 1 thread
+        assert share.mean_threads() == pytest.approx((30 * 1 + 30 * 2 + 60 * 1) / 120)
     finally:
         torch.set_num_threads(before)
 
