@@ -6,7 +6,8 @@ values the study sweeps on top of the setting columns, e.g. `train.lr`); each ar
 highest validation step MAT (block drafters run free, so step MAT is what the block comparison decides on; for
 an autoregressive drafter it is the sum of its teacher-forced step accuracies). The section shows every value's
 step MAT and acc_0 with intervals, the best one with its paired difference from the runner-up, and for each arm
-the learning rate the eval-split studies trained it at (a row's `lr`), flagged where that is not the best.
+the learning rate the eval-split studies trained it at (a row's `lr`), flagged where that is not the best. A
+best value at an end of its grid says so: the arm's best may lie beyond it.
 Validation studies are kept out of the findings: their rows are not measured on the eval split.
 """
 from __future__ import annotations
@@ -73,6 +74,20 @@ def _lr_of(s: Setting) -> Any:
     return s.extra.get("train.lr")
 
 
+def at_grid_edge(top: Setting, group: list[Setting]) -> str:
+    """Where the best value lies at an end of a numeric grid of three values or more ("its grid's smallest lr"):
+    a value beyond it was not tried, so the best found may not be the arm's best."""
+    ends = []
+    for key, v in top.extra.items():
+        values = {s.extra.get(key) for s in group}
+        if not isinstance(v, (int, float)) or len(values) < 3 \
+                or not all(isinstance(x, (int, float)) for x in values):
+            continue
+        if v in (min(values), max(values)):
+            ends.append(f"its grid's {'smallest' if v == min(values) else 'largest'} {key.rsplit('.', 1)[-1]}")
+    return " and ".join(ends)
+
+
 def validation_section(name: str, settings: list[Setting], rows: list[dict], others: dict[str, list[dict] | None],
                        level: float) -> list[str]:
     """The validation study `name`: one table row per setting, then per arm its best value and how the eval-split
@@ -97,6 +112,8 @@ def validation_section(name: str, settings: list[Setting], rows: list[dict], oth
             c = contrast(top, runner, METRIC, level)
             tie = ", a tie in step MAT, broken by plan order" if top.value(METRIC) == runner.value(METRIC) else ""
             text += f" (over {_swept(runner)}: {c.diff:+.3f} {fmt_ci(*c.ci, signed=True)}, {c.seeds}{tie})"
+        if edge := at_grid_edge(top, group):
+            text += f", {edge}: a value beyond it was not tried"
         used = trained_lrs(others, top)
         lr = _lr_of(top)
         if used and lr is not None:
@@ -115,4 +132,4 @@ def validation_section(name: str, settings: list[Setting], rows: list[dict], oth
     return md
 
 
-__all__ = ["arms", "ranked", "is_validation", "trained_lrs", "validation_section"]
+__all__ = ["arms", "at_grid_edge", "ranked", "is_validation", "trained_lrs", "validation_section"]

@@ -83,6 +83,22 @@ def test_the_choice_is_the_reports_best():
     assert chosen == best == {"hidden": 0.003, "kv": 0.001}
 
 
+def test_a_best_value_at_an_end_of_its_grid_is_said_to_be_one():
+    """The hidden arm is best at the grid's largest learning rate: a larger one was not tried, and the report says
+    so; the KV arm's best lies inside its grid."""
+    from stages.report_validation import arms, at_grid_edge, ranked, validation_section
+    from stages.results import settings_of
+
+    settings = settings_of("val", [_row(t) for t in plan(_cfg(), study="val")])
+    edges = {s.fields["context"]: at_grid_edge(ranked(group)[0], group) for group in arms(settings).values()
+             for s in ranked(group)[:1]}
+    assert edges == {"hidden": "its grid's largest lr", "kv": ""}
+    text = "\n".join(validation_section("val", settings, [], {}, 0.95))
+    (hidden,) = [line for line in text.splitlines() if line.startswith("- **") and "hidden" in line]
+    assert "), its grid's largest lr: a value beyond it was not tried;" in hidden
+    assert "beyond it" not in "".join(line for line in text.splitlines() if "kv" in line and line.startswith("- **"))
+
+
 def test_a_missing_validation_row_leaves_its_arm_pending_and_the_sweep_names_the_part_to_run():
     cfg = _cfg()
     trials = plan(cfg, study="blk", rows_of=_rows_of(skip={"block-kv-lr0.003"}))
