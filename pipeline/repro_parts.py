@@ -46,8 +46,13 @@ class PartState:
     def line(self) -> str:
         n = len(self.trials)
         if self.done is not None:
+            took, before = self.done.get("wall_s", 0) / 60, self.done.get("begun_before")
+            # a run resumed after an interruption timed its last sitting only, not the whole part
+            day = self.done.get("date", "?")
+            when = (f"{took:.1f} min on {day} in its last sitting, {before} of its trials begun before" if before
+                    else f"{took:.1f} min in one go on {day}")
             return (f"part {self.name}: done in this workspace ({n} trials finished{', decoded' if self.decode else ''}"
-                    f"; {self.done.get('wall_s', 0) / 60:.1f} min in one go on {self.done.get('date', '?')})")
+                    f"; {when})")
         if self.waits:
             return f"part {self.name}: waits ({self.waits})"
         if not self.finished and not self.in_progress:
