@@ -3,10 +3,10 @@ from __future__ import annotations
 
 import datetime as dt
 import json
-import platform
 from pathlib import Path
 
 from pipeline.config import ROOT, Config
+from pipeline.machine import hardware
 
 TIMINGS = "scratch/timings.json"
 MACHINES = "scratch/machines.json"   # the machine each stage command last ran on (studies run on different ones)
@@ -19,32 +19,6 @@ def short_commit(root: Path = ROOT) -> str:
 
     head, mark, rest = git_commit(root).partition("+")
     return head if head == "unknown" else head[:7] + mark + rest
-
-
-def cpu_name(cpuinfo: Path = Path("/proc/cpuinfo")) -> str:
-    """The CPU's model name where Linux tells it, else what `platform` knows (often just the architecture)."""
-    try:
-        for line in cpuinfo.read_text().splitlines():
-            if line.startswith("model name") and ":" in line:
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or platform.machine()
-
-
-def hardware() -> str:
-    """`2 CPU cores (AMD EPYC, native bf16), 23 GiB RAM, no GPU`: whether bf16 is native decides the study
-    profile's speed several times over, so it is part of the machine's name. It names what the CPU can do ("no
-    native bf16"), not the precision a run computed in (an fp32 run on such a CPU is not emulated bf16)."""
-    import psutil
-    import torch
-
-    from stages.common import native_bf16
-
-    cpu = f"{cpu_name()}, {'native bf16' if native_bf16('cpu') else 'no native bf16'}"
-    mem = psutil.virtual_memory().total / 2**30
-    gpu = torch.cuda.get_device_name(0) if torch.cuda.is_available() else "no GPU"
-    return f"{psutil.cpu_count(logical=True)} CPU cores ({cpu}), {mem:.0f} GiB RAM, {gpu}"
 
 
 def _read_json(path: Path) -> dict:

@@ -181,12 +181,12 @@ def failed_row(trial: Trial, error: str, wall_s: float | None = None) -> dict:
 
 
 def ran_on(threads: Callable[[], float] | None = None) -> dict:
-    """Where a trial's `wall_s` was measured: the machine (`pipeline.provenance.hardware`) and the torch threads it
+    """Where a trial's `wall_s` was measured: the machine (`pipeline.machine.hardware`) and the torch threads it
     computed on, averaged over its time (`threads`, else the current count): a pace is only comparable with paces
     measured alike (`pipeline.budget.estimated_seconds`)."""
     import torch
 
-    from pipeline.provenance import hardware
+    from pipeline.machine import hardware
 
     return {"machine": hardware(), "threads": round(threads() if threads else float(torch.get_num_threads()), 2)}
 

@@ -10,7 +10,8 @@ from pathlib import Path
 import pytest
 import yaml
 
-from pipeline.provenance import cpu_name, record_part, record_time
+from pipeline.machine import cpu_name
+from pipeline.provenance import record_part, record_time
 from pipeline.study_results import install, merge, merged_lock
 from stages.common import StageError
 
