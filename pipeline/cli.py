@@ -300,6 +300,8 @@ def study_results(workspace: Path = typer.Argument(..., help="A study workspace,
         kept = f"; kept as committed: {', '.join(merged.kept)}" if merged.kept else ""
         kept += (f"; combined with their committed rows on the same conversations: {', '.join(merged.combined)}"
                  if merged.combined else "")
+        kept += (f"; begun there without a finished trial, so left as committed: {', '.join(merged.unfinished)}"
+                 if merged.unfinished else "")
         console.print(f"{into}: studies from {workspace}: {', '.join(merged.from_workspace)}{kept}; "
                       f"e2e: {merged.e2e}; "
                       + (f"the target's answers of {', '.join(answers)} committed (later parts start from them); "

@@ -9,6 +9,9 @@ by study (the workspace's rows replace those of the studies it decoded). The rep
 regenerated from the merged files alone, so every row keeps the commit and fingerprint it was trained at. The plans
 the studies' sweeps executed (runs/<study>/plan.json) are kept beside the metrics, in metrics/plans/.
 
+A study the workspace began without finishing a trial of it (a part cut off in its first trials leaves an empty
+metrics file and the plan it was executing) is not one the workspace ran: its committed rows and plan stay.
+
 A study run in parts (say seed 0 in one workspace, seeds 1 and 2 in another) combines instead of replacing, but only
 on the same conversations: a committed row of a trial the workspace did not run stays when its regenerated
 conversations (and eval set) have the hashes of a workspace row's, and the study's sweep time is then the sum of
@@ -46,6 +49,8 @@ class Merged:
     #            committed" or "none"
     # studies whose committed rows on the same conversations were kept
     combined: list[str] = field(default_factory=list)
+    # studies begun in the workspace without a finished trial: kept as committed (listed in `kept` too)
+    unfinished: list[str] = field(default_factory=list)
 
 
 def _study_metrics(folder: Path) -> dict[str, Path]:
@@ -60,9 +65,10 @@ def merge(workspace: Path, results: Path, staging: Path) -> Merged:
     """Lay out under `staging` (emptied first) the metrics/ and scratch/ a report reads: the committed `results`
     folder's, overlaid with the `workspace`'s. Reads only; `results` and `workspace` are left as they are."""
     workspace, results = Path(workspace), Path(results)
-    ws_metrics = _study_metrics(workspace / "metrics" / "stepwise")
+    began = _study_metrics(workspace / "metrics" / "stepwise")
+    ws_metrics = {name: path for name, path in began.items() if read_rows(path)}
     if not ws_metrics:
-        raise StageError(f"{workspace}: no metrics/stepwise/*.json (run a study there first)")
+        raise StageError(f"{workspace}: no rows in metrics/stepwise/*.json (run a study there first)")
     if staging.exists():
         shutil.rmtree(staging)
     (staging / "metrics" / "stepwise").mkdir(parents=True)
@@ -77,7 +83,8 @@ def merge(workspace: Path, results: Path, staging: Path) -> Merged:
                 combined.append(name)
                 rows = kept + rows
         write_json_atomic(staging / "metrics" / "stepwise" / path.name, rows)
-    _merge_plans(workspace / "runs", results / "metrics" / "plans", staging / "metrics" / "plans", set(combined))
+    _merge_plans(workspace / "runs", results / "metrics" / "plans", staging / "metrics" / "plans", set(combined),
+                 set(ws_metrics))
     e2e_from = _merge_e2e(workspace / "metrics" / "e2e.json", results / "metrics" / "e2e.json",
                           staging / "metrics" / "e2e.json", set(combined))
     # the serving engines' rows (e2e.engines) merge as the e2e rows do
@@ -91,14 +98,16 @@ def merge(workspace: Path, results: Path, staging: Path) -> Merged:
                     record[key] = round(kept_record[key] + ws_record[key], 1)
         if record:
             write_json_atomic(staging / ws_rel, record)
-    return Merged(staging, sorted(ws_metrics), sorted(set(committed) - set(ws_metrics)), e2e_from, combined)
+    return Merged(staging, sorted(ws_metrics), sorted(set(committed) - set(ws_metrics)), e2e_from, combined,
+                  sorted(set(began) - set(ws_metrics)))
 
 
-def _merge_plans(ws_runs: Path, kept: Path, out: Path, combined: set[str]) -> None:
+def _merge_plans(ws_runs: Path, kept: Path, out: Path, combined: set[str], ran: set[str]) -> None:
     """metrics/plans/<study>.json, the plans the studies' sweeps executed (runs/<study>/plan.json in a workspace):
-    a study the workspace ran replaces the committed plan, or adds its trials to it by name when the study
-    combines (run in parts); the plans of other studies stay as committed."""
-    fresh = {p.parent.name: p for p in sorted(ws_runs.glob(f"*/{PLAN_FILE}"))} if ws_runs.is_dir() else {}
+    a study the workspace ran (`ran`: it has rows of it) replaces the committed plan, or adds its trials to it by
+    name when the study combines (run in parts); the plans of other studies stay as committed."""
+    fresh = ({p.parent.name: p for p in sorted(ws_runs.glob(f"*/{PLAN_FILE}")) if p.parent.name in ran}
+             if ws_runs.is_dir() else {})
     committed = _study_metrics(kept)
     for study in sorted({*fresh, *committed}):
         plan = _read_plan(fresh.get(study) or committed[study])

@@ -166,7 +166,7 @@ def test_install_swaps_the_folder_contents(folders):
 def test_a_workspace_without_metrics_is_refused(folders):
     results, ws, staging = folders
     shutil.rmtree(ws / "metrics")
-    with pytest.raises(StageError, match="no metrics/stepwise"):
+    with pytest.raises(StageError, match=r"no rows in metrics/stepwise"):
         merge(ws, results, staging)
 
 
@@ -241,7 +241,7 @@ def test_cli_regenerates_the_report_from_committed_and_new_metrics(tmp_path):
 
     bad = subprocess.run([KVSHOT, "study-results", str(tmp_path / "nowhere"), "--into", str(results)], cwd=ROOT,
                          capture_output=True, text=True, timeout=300)
-    assert bad.returncode == 2 and "no metrics/stepwise" in bad.stderr
+    assert bad.returncode == 2 and "no rows in metrics/stepwise" in bad.stderr
     assert len(bad.stderr.strip().splitlines()) == 1
 
 
@@ -278,4 +278,32 @@ def test_the_executed_plans_merge_beside_the_metrics(folders):
                                        ("eagle3-s2", "new-eagle3-s2")]
     (ws / "runs" / "depth" / "plan.json").write_text("{}")
     with pytest.raises(StageError, match=r"runs/depth/plan.json: not a plan file"):
+        merge(ws, results, staging)
+
+
+def test_a_study_begun_without_a_finished_trial_leaves_its_committed_rows_and_plan(folders):
+    """A part cut off before its first trial finished leaves an empty metrics file and the plan it was executing in
+    the workspace: folding it must not drop the study's committed rows nor put that plan over the committed one."""
+    from pipeline.plan_file import PlanFile, PlannedTrial
+
+    def plan_of(name):
+        return PlanFile(profile="study", trials=[PlannedTrial(
+            name=name, study="injection", variant="kv_only", values={}, parent=None, baseline=None, role="trial",
+            parts=[], e2e=False, evaluated_on="eval split", config={}, fingerprint=name)])
+
+    results, ws, staging = folders
+    (results / "metrics" / "plans").mkdir()
+    (results / "metrics" / "plans" / "injection.json").write_text(plan_of("committed").model_dump_json())
+    (ws / "metrics" / "stepwise" / "injection.json").write_text("[]")
+    (ws / "runs" / "injection").mkdir(parents=True)
+    (ws / "runs" / "injection" / "plan.json").write_text(plan_of("begun").model_dump_json())
+    merged = merge(ws, results, staging)
+    assert merged.from_workspace == ["depth", "scale"] and merged.unfinished == ["injection"]
+    assert "injection" in merged.kept
+    assert json.loads((staging / "metrics" / "stepwise" / "injection.json").read_text()) == [{"committed": "injection"}]
+    plan = PlanFile.model_validate_json((staging / "metrics" / "plans" / "injection.json").read_text())
+    assert [t.name for t in plan.trials] == ["committed"]
+    for name in ("depth", "scale"):
+        (ws / "metrics" / "stepwise" / f"{name}.json").write_text("[]")
+    with pytest.raises(StageError, match="no rows"):
         merge(ws, results, staging)
