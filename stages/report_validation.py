@@ -7,7 +7,9 @@ highest validation step MAT (block drafters run free, so step MAT is what the bl
 an autoregressive drafter it is the sum of its teacher-forced step accuracies). The section shows every value's
 step MAT and acc_0 with intervals, the best one with its paired difference from the runner-up, and for each arm
 the learning rate the eval-split studies trained it at (a row's `lr`), flagged where that is not the best. A
-best value at an end of its grid says so: the arm's best may lie beyond it.
+best value at an end of its grid says so: the arm's best may lie beyond it. Where the grid's values are positive, a
+parabola in log value through the three values nearest that end says whether the measured trend peaks inside the
+grid (the best lies between the edge and its neighbour) or points beyond it (a value beyond is worth trying).
 Validation studies are kept out of the findings: their rows are not measured on the eval split.
 """
 from __future__ import annotations
@@ -76,7 +78,8 @@ def _lr_of(s: Setting) -> Any:
 
 def at_grid_edge(top: Setting, group: list[Setting]) -> str:
     """Where the best value lies at an end of a numeric grid of three values or more ("its grid's smallest lr"):
-    a value beyond it was not tried, so the best found may not be the arm's best."""
+    a value beyond it was not tried, so the best found may not be the arm's best; with the trend there
+    (`edge_trend`) where it can be read."""
     ends = []
     for key, v in top.extra.items():
         values = {s.extra.get(key) for s in group}
@@ -84,8 +87,34 @@ def at_grid_edge(top: Setting, group: list[Setting]) -> str:
                 or not all(isinstance(x, (int, float)) for x in values):
             continue
         if v in (min(values), max(values)):
-            ends.append(f"its grid's {'smallest' if v == min(values) else 'largest'} {key.rsplit('.', 1)[-1]}")
+            name = key.rsplit('.', 1)[-1]
+            text = f"its grid's {'smallest' if v == min(values) else 'largest'} {name}: a value beyond it was not tried"
+            points = [(s.extra[key], s.value(METRIC)) for s in group if math.isfinite(s.value(METRIC))]
+            if trend := edge_trend(points, v, name):
+                text += f" ({trend})"
+            ends.append(text)
     return " and ".join(ends)
+
+
+def edge_trend(points: list[tuple[float, float]], edge: float, name: str = "value") -> str:
+    """What a parabola in log10(value) through the three grid values nearest `edge` (the best one, at an end of the
+    grid) says of the metric there: a peak between them, inside the grid, or a trend that points beyond the edge.
+    Empty where it cannot be read (fewer than three values, a value not positive)."""
+    import numpy as np
+
+    pts = sorted(points)
+    if len(pts) < 3 or any(x <= 0 for x, _ in pts):
+        return ""
+    near = pts[:3] if edge == pts[0][0] else pts[-3:]
+    x = np.log10([p[0] for p in near])
+    a, b, _ = np.polyfit(x, [p[1] for p in near], 2)
+    which = "smallest" if edge == pts[0][0] else "largest"
+    if a < 0 and min(x) <= -b / (2 * a) <= max(x):
+        peak = 10 ** (-b / (2 * a))
+        return (f"a parabola in log {name} through the three {which} values peaks at {peak:.2g}, inside the grid: "
+                f"the trend does not point beyond it")
+    return (f"a parabola in log {name} through the three {which} values rises towards the edge: a value beyond it "
+            f"may be better")
 
 
 def validation_section(name: str, settings: list[Setting], rows: list[dict], others: dict[str, list[dict] | None],
@@ -113,7 +142,7 @@ def validation_section(name: str, settings: list[Setting], rows: list[dict], oth
             tie = ", a tie in step MAT, broken by plan order" if top.value(METRIC) == runner.value(METRIC) else ""
             text += f" (over {_swept(runner)}: {c.diff:+.3f} {fmt_ci(*c.ci, signed=True)}, {c.seeds}{tie})"
         if edge := at_grid_edge(top, group):
-            text += f", {edge}: a value beyond it was not tried"
+            text += f", {edge}"
         used = trained_lrs(others, top)
         lr = _lr_of(top)
         if used and lr is not None:
@@ -132,4 +161,4 @@ def validation_section(name: str, settings: list[Setting], rows: list[dict], oth
     return md
 
 
-__all__ = ["arms", "at_grid_edge", "ranked", "is_validation", "trained_lrs", "validation_section"]
+__all__ = ["arms", "at_grid_edge", "edge_trend", "ranked", "is_validation", "trained_lrs", "validation_section"]

@@ -92,11 +92,29 @@ def test_a_best_value_at_an_end_of_its_grid_is_said_to_be_one():
     settings = settings_of("val", [_row(t) for t in plan(_cfg(), study="val")])
     edges = {s.fields["context"]: at_grid_edge(ranked(group)[0], group) for group in arms(settings).values()
              for s in ranked(group)[:1]}
-    assert edges == {"hidden": "its grid's largest lr", "kv": ""}
+    beyond = ("its grid's largest lr: a value beyond it was not tried (a parabola in log lr through the three "
+              "largest values rises towards the edge: a value beyond it may be better)")
+    assert edges == {"hidden": beyond, "kv": ""}
     text = "\n".join(validation_section("val", settings, [], {}, 0.95))
     (hidden,) = [line for line in text.splitlines() if line.startswith("- **") and "hidden" in line]
-    assert "), its grid's largest lr: a value beyond it was not tried;" in hidden
+    assert f"), {beyond};" in hidden
     assert "beyond it" not in "".join(line for line in text.splitlines() if "kv" in line and line.startswith("- **"))
+
+
+def test_the_trend_at_a_grid_edge_says_whether_it_peaks_inside_or_points_beyond():
+    """The study's block_lr rows (step MAT at lr 0.0003 / 0.001 / 0.003): the hidden arm, best at the smallest lr,
+    peaks between 0.0003 and 0.001; the both-context arm keeps rising towards the smallest."""
+    from stages.report_validation import edge_trend
+
+    hidden = [(0.0003, 1.313), (0.001, 1.303), (0.003, 1.157)]
+    assert edge_trend(hidden, 0.0003, "lr") == ("a parabola in log lr through the three smallest values peaks at "
+                                                "0.00051, inside the grid: the trend does not point beyond it")
+    both = [(0.0003, 1.310), (0.001, 1.249), (0.003, 1.211)]
+    assert "rises towards the edge: a value beyond it may be better" in edge_trend(both, 0.0003, "lr")
+    # a concave curve whose peak lies beyond the edge points beyond it too
+    assert "rises towards the edge" in edge_trend([(0.001, 1.0), (0.01, 1.5), (0.1, 1.8)], 0.1, "lr")
+    assert "largest" in edge_trend([(0.001, 1.0), (0.01, 1.5), (0.1, 1.8)], 0.1, "lr")
+    assert edge_trend(hidden[:2], 0.0003) == "" and edge_trend([(0.0, 1.0), *hidden[1:]], 0.0) == ""
 
 
 def test_a_missing_validation_row_leaves_its_arm_pending_and_the_sweep_names_the_part_to_run():
