@@ -134,6 +134,22 @@ def _rows(path: Path) -> list[dict]:
     return [r for r in rows if isinstance(r, dict)] if isinstance(rows, list) else []
 
 
+def training_left_s(cfg: Config, trials: list[Trial], rows: list[dict], machine: str | None = None) -> float | None:
+    """Seconds `trials` (a part's trials not finished yet) would train in one sweep (`replay`), each estimated from
+    the paces of `rows` (`estimated_seconds`, measured on `machine` first): 0 when none is left, None when one of
+    them has no pace to go by. A trial begun before is counted whole (its checkpoint saves part of that)."""
+    if not trials:
+        return 0.0
+    guess = estimated_seconds(trials, rows, cfg, machine)
+    return replay(trials, guess, cfg.ray.max_concurrent) if len(guess) == len(trials) else None
+
+
+def rows_in(*stepwise: Path) -> list[dict]:
+    """Every row of the studies' metrics files (`STUDY.json`) in these folders (a missing folder holds none)."""
+    return [r for folder in stepwise if Path(folder).is_dir() for f in sorted(Path(folder).glob("*.json"))
+            for r in _rows(f)]
+
+
 def replayed_parts(cfg: Config, stepwise: Path, machine: str | None = None) -> dict[str, dict]:
     """Per part `STUDY/PART` (a study without parts is one, `STUDY/(whole)`): its trial count, whether the study
     decodes some of them end to end and, when every trial has a measured row in `stepwise/STUDY.json`, the seconds

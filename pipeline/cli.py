@@ -468,18 +468,27 @@ def _repro_parts(cfg: Config, profile: str, specs: list[str], dry_run: bool, com
     """`kvshot repro --part ...`: each part in order (`pipeline.repro_parts`), stopping at the first failure."""
     from pipeline.parts import expand_parts
     from pipeline.repro_parts import part_state, run_part
+    from stages.common import duration
 
     todo = expand_parts(cfg, specs)
+    ahead: set[str] = set()                 # trials the parts before will train: adopted by the later ones
+    total, unknown = 0.0, 0
     for n, (study, name) in enumerate(todo, 1):
-        state = part_state(cfg, profile, study, name)
+        state = part_state(cfg, profile, study, name, ahead)
         if dry_run:
             print(state.line())
+            total += state.left_s or 0.0
+            unknown += state.done is None and state.left_s is None
             continue
         console.print(f"[bold]part {n} of {len(todo)}: {state.name}[/]", highlight=False)
         code = run_part(cfg, profile, state, echo=lambda line: console.print(line, highlight=False, soft_wrap=True),
                         committed_answers=committed_answers)
         if code:
             _fail(f"--part {state.name} failed (exit {code}); finished work is kept, run again to resume")
+    if dry_run and total:
+        print(f"in all: about {duration(total)} of training left, the parts run in this order at the paces measured "
+              f"so far (decoding and the data stages aside)"
+              + (f"; {unknown} part{'s' if unknown > 1 else ''} without a pace to go by" if unknown else ""))
 
 
 @app.command("plan")

@@ -11,15 +11,17 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
+from pipeline.budget import rows_in, training_left_s
 from pipeline.choices import chosen_keys
 from pipeline.config import ROOT, Config, ConfigError, check_hardware
 from pipeline.conversations import results_folder
 from pipeline.dvc_workspace import done_part, repro_data_stages, repro_part, workspace
+from pipeline.machine import hardware
 from pipeline.parts import WHOLE, check_parts, decodes_any, part_filter, plan_part
 from pipeline.plan import plan
 from pipeline.sweep import check_chosen, finished_rows_in
 from pipeline.trial import Trial, begun
-from stages.common import Paths
+from stages.common import Paths, duration
 
 
 @dataclass
@@ -27,8 +29,8 @@ class PartState:
     """Where a part stands in the workspace: its trials (with the parents and controls they need), whether the
     study decodes some of them, how many are finished (same fingerprint, in this study or adopted from another),
     begun here (a run directory of their fingerprint: what a run of the part resumes) and begun but not finished,
-    its record when done (`done_part`), and why it cannot start yet (a value its validation study has not
-    chosen)."""
+    its record when done (`done_part`), why it cannot start yet (a value its validation study has not
+    chosen), and the training it has left at the paces measured so far (`budget.training_left_s`; None: unknown)."""
     study: str
     part: str
     trials: list[Trial]
@@ -38,6 +40,8 @@ class PartState:
     in_progress: int
     done: dict | None
     waits: str | None
+    left_s: float | None = None
+    by_earlier: int = 0      # trials left that the parts run before it train (`part_state(ahead=)`)
 
     @property
     def name(self) -> str:
@@ -55,15 +59,21 @@ class PartState:
                     f"; {when})")
         if self.waits:
             return f"part {self.name}: waits ({self.waits})"
+        left = (f"; about {duration(self.left_s)} of training left at the paces measured so far"
+                if self.left_s else "")
+        if self.by_earlier:
+            left += f"; {self.by_earlier} trained by the parts before it"
         if not self.finished and not self.in_progress:
-            return f"part {self.name}: not begun ({n} trials{', decoded' if self.decode else ''})"
+            return f"part {self.name}: not begun ({n} trials{', decoded' if self.decode else ''}){left}"
         more = f", {self.in_progress} more begun" if self.in_progress else ""
         then = "; then decoded" if self.decode else ""
-        return f"part {self.name}: {self.finished} of {n} trials finished{more}{then}"
+        return f"part {self.name}: {self.finished} of {n} trials finished{more}{left}{then}"
 
 
-def part_state(cfg: Config, profile: str, study: str, part: str) -> PartState:
-    """The state of one part (`expand_parts` gives the names) in the profile's workspace; reads only."""
+def part_state(cfg: Config, profile: str, study: str, part: str, ahead: set[str] | None = None) -> PartState:
+    """The state of one part (`expand_parts` gives the names) in the profile's workspace; reads only. `ahead`: the
+    fingerprints of the trials that parts run before this one will train (they are adopted here, so its training
+    left leaves them out); the part's own trials left are added to it."""
     ws = _paths(profile)
     rows_of = finished_rows_in(ws, results_folder(cfg))
     trials = plan(cfg, {}, study, rows_of=rows_of)
@@ -82,8 +92,18 @@ def part_state(cfg: Config, profile: str, study: str, part: str) -> PartState:
     finished = rows_of(mine) if here else {}
     started = [t.name for t in mine if here and begun(t, ws)]
     done = done_part(ws.root, study, part, mine, finished, decode)
+    left = None
+    if done is None:
+        rows = rows_in(ws.root / "metrics" / "stepwise", results_folder(cfg) / "metrics" / "stepwise")
+        unfinished = [t for t in mine if t.name not in finished]
+        # a workspace not made yet fingerprints nothing: no trial can be told to be another part's then
+        todo = [t for t in unfinished if not t.fingerprint or t.fingerprint not in (ahead or set())]
+        left = training_left_s(cfg, todo, rows, hardware())
+        if ahead is not None:
+            ahead.update(t.fingerprint for t in todo if t.fingerprint)
     return PartState(study, part, mine, decode, len(finished), len(started),
-                     sum(name not in finished for name in started), done, waits)
+                     sum(name not in finished for name in started), done, waits, left,
+                     len(unfinished) - len(todo) if done is None else 0)
 
 
 def run_part(cfg: Config, profile: str, state: PartState, echo=lambda line: None,

@@ -122,3 +122,21 @@ def test_estimates_prefer_paces_measured_here_beside_other_trials(tmp_path):
     (tmp_path / "block.json").write_text(json.dumps(beside))
     assert lr_both(here) == pytest.approx(everywhere * 4.0 / 1.5)
     assert lr_both(None) == pytest.approx(everywhere * (1.0 + 2.0 + 3.0 + 4.0) / 4 / 1.5)   # no machine named
+
+
+def test_the_training_a_part_has_left_is_its_unfinished_trials_replayed_at_their_paces(tmp_path):
+    """`kvshot repro --dry-run`: the scale study's large part with its parent finished has its two children left,
+    one after the other's wave (the same replay as the report's); nothing left is 0, a trial without a pace None."""
+    from pipeline.budget import rows_in, training_left_s
+    from pipeline.plan import plan
+
+    cfg = load_config("study")
+    (tmp_path / "scale.json").write_text(json.dumps([row("hybrid", wall=1920.0, scale="small", train_steps=960)]))
+    (tmp_path / "block.json").write_text(json.dumps([row("block", wall=50.0, context="kv")]))
+    rows = rows_in(tmp_path, tmp_path / "missing")
+    assert len(rows) == 2
+    large = [t for t in plan(cfg, study="scale") if "large" in t.name and t.config.train.seed == 0]
+    hybrid = [t for t in large if t.variant == "hybrid"]
+    assert training_left_s(cfg, hybrid, rows) == 1280 * 2.0     # one epoch of 6,000 conversations at 2 s a step
+    assert training_left_s(cfg, [], rows) == 0.0
+    assert training_left_s(cfg, large, rows) is None           # EAGLE-3 continued has no pace here

@@ -232,6 +232,10 @@ def test_a_part_line_counts_trials_adopted_from_another_study_as_finished_not_be
     assert state.line() == "part block/ar-seed1: 2 of 5 trials finished, 2 more begun; then decoded"
     state.finished = state.in_progress = 0
     assert state.line() == "part block/ar-seed1: not begun (5 trials, decoded)"
+    state.left_s, state.by_earlier = 5462.0, 2      # at the paces measured so far; two trials of earlier parts
+    assert state.line() == ("part block/ar-seed1: not begun (5 trials, decoded); about 1:31:02 of training left at "
+                            "the paces measured so far; 2 trained by the parts before it")
+    state.left_s = state.by_earlier = 0
     state.done = {"wall_s": 2377.1, "date": "2026-12-07", "begun_before": 3}      # resumed: not the part's time
     assert state.line() == ("part block/ar-seed1: done in this workspace (5 trials finished, decoded; 39.6 min on "
                             "2026-12-07 in its last sitting, 3 of its trials begun before)")

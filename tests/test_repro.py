@@ -271,7 +271,8 @@ def test_a_part_of_a_study_runs_in_one_go_from_a_fresh_workspace(tmp_path):
     out = kvshot("repro", "--profile", "smoke", "--part", "all", "--dry-run", env=env)
     assert out.returncode == 0, out.stderr[-3000:]
     assert [ln.split(" (")[0] for ln in out.stdout.splitlines()][-3:] == [
-        "part scale/(whole): 1 of 3 trials finished; then decoded",   # its eagle3 is the block study's: adopted
+        # its eagle3 is the block study's: adopted; its other two the hybrid study's part trains before it
+        "part scale/(whole): 1 of 3 trials finished; 2 trained by the parts before it; then decoded",
         "part block/blocks: done in this workspace", "part block/autoregressive: done in this workspace"]
 
 
