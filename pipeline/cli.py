@@ -302,6 +302,8 @@ def study_results(workspace: Path = typer.Argument(..., help="A study workspace,
                  if merged.combined else "")
         kept += (f"; begun there without a finished trial, so left as committed: {', '.join(merged.unfinished)}"
                  if merged.unfinished else "")
+        kept += "".join(f"; {n} committed row{'s' if n > 1 else ''} of {study} left out (on other conversations "
+                        "than the workspace's)" for study, n in merged.other_data.items())
         console.print(f"{into}: studies from {workspace}: {', '.join(merged.from_workspace)}{kept}; "
                       f"e2e: {merged.e2e}; "
                       + (f"the target's answers of {', '.join(answers)} committed (later parts start from them); "

@@ -51,6 +51,9 @@ class Merged:
     combined: list[str] = field(default_factory=list)
     # studies begun in the workspace without a finished trial: kept as committed (listed in `kept` too)
     unfinished: list[str] = field(default_factory=list)
+    # per study, its committed rows left out for being on other conversations than the workspace's (those of
+    # trials the workspace ran again are its own rows' to replace, not counted)
+    other_data: dict[str, int] = field(default_factory=dict)
 
 
 def _study_metrics(folder: Path) -> dict[str, Path]:
@@ -74,14 +77,20 @@ def merge(workspace: Path, results: Path, staging: Path) -> Merged:
     (staging / "metrics" / "stepwise").mkdir(parents=True)
     (staging / "scratch").mkdir()
     committed = _study_metrics(results / "metrics" / "stepwise")
-    combined = []
+    combined, other_data = [], {}
     for name, path in {**committed, **ws_metrics}.items():
         rows = read_rows(path)
         if name in committed and name in ws_metrics:
-            kept = same_data_rows(read_rows(committed[name]), rows)
+            before = read_rows(committed[name])
+            kept = same_data_rows(before, rows)
             if kept:
                 combined.append(name)
-                rows = kept + rows
+            ran = {(r.get("trial"), r.get("seed")) for r in rows if isinstance(r, dict)}
+            left_out = sum(isinstance(r, dict) and (r.get("trial"), r.get("seed")) not in ran for r in before) \
+                - len(kept)
+            if left_out:
+                other_data[name] = left_out
+            rows = kept + rows
         write_json_atomic(staging / "metrics" / "stepwise" / path.name, rows)
     _merge_plans(workspace / "runs", results / "metrics" / "plans", staging / "metrics" / "plans", set(combined),
                  set(ws_metrics))
@@ -99,7 +108,7 @@ def merge(workspace: Path, results: Path, staging: Path) -> Merged:
         if record:
             write_json_atomic(staging / ws_rel, record)
     return Merged(staging, sorted(ws_metrics), sorted(set(committed) - set(ws_metrics)), e2e_from, combined,
-                  sorted(set(began) - set(ws_metrics)))
+                  sorted(set(began) - set(ws_metrics)), other_data)
 
 
 def _merge_plans(ws_runs: Path, kept: Path, out: Path, combined: set[str], ran: set[str]) -> None:

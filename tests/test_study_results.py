@@ -96,6 +96,7 @@ def test_a_study_run_in_parts_combines_its_rows_on_the_same_data(folders):
     merged = merge(ws, results, staging)
     assert merged.combined == ["depth"] and [r["trial"] for r in json.loads(
         (staging / "metrics" / "stepwise" / "depth.json").read_text())] == ["eagle3-s3", "x"]
+    assert merged.other_data == {"depth": 3}      # eagle3 and eagle3-s1 on the other conversations, "old" on none
     (ws / "metrics" / "stepwise" / "depth.json").write_text(json.dumps([{"trial": "x"}]))
     merged = merge(ws, results, staging)
     assert merged.combined == [] and json.loads((staging / "scratch" / "timings.json").read_text())[
