@@ -16,7 +16,8 @@ from pipeline.trial import Trial, base_row
 from stages.evaluate import BLOCK_FIELDS, SETTING_FIELDS
 from stages.results import SETTING_KEYS, setting_columns
 
-_NO_TARGET = ("no_target", "token_context")
+# drafter options that add no layer: a setting with them on is paced like its plain shape when it has no rows yet
+_SAME_SHAPE = ("no_target", "token_context", "fc_norm", "norm_output")
 
 
 def _row_of(t: Trial) -> dict:
@@ -79,10 +80,11 @@ def _steps_per_epoch(cfg: Config, rows: list[dict]) -> dict[str, float]:
     return per
 
 
-def _with_target(want: dict) -> tuple:
-    """A no-target control's setting read as the drafter of its shape that reads the target: a control without rows
-    of its own is paced like it (same layers and attention widths; it attends to its own keys, not the target's)."""
-    return _drafter_setting({**want, **{k: False for k in _NO_TARGET}})
+def _plain_shape(want: dict) -> tuple:
+    """A setting read as the plain drafter of its shape (`_SAME_SHAPE` off): a no-target control without rows of its
+    own is paced like the drafter that reads the target (same layers and attention widths; it attends to its own
+    keys, not the target's), EAGLE-3.1 like EAGLE-3 (its two norms cost little beside its layer)."""
+    return _drafter_setting({**want, **{k: False for k in _SAME_SHAPE}})
 
 
 def _likeness(row: dict, machine: str | None, own_threads: int) -> int:
@@ -100,7 +102,7 @@ def estimated_seconds(trials: list[Trial], rows: list[dict], cfg: Config, machin
     """A trial without a row of its own, estimated from paces: its optimizer steps (its epochs at its scale's steps
     per epoch, `_steps_per_epoch`) times the seconds per step (`wall_s` / `train_steps`, evaluation included) of
     the rows of its drafter setting at any scale, seed or schedule (a no-target control without rows: those of the
-    drafter of its shape that reads the target, `_with_target`). Of those rows only the most alike are averaged
+    plain drafter of its shape, `_plain_shape`). Of those rows only the most alike are averaged
     (`_likeness`: measured on `machine` at the trial's own share of threads before alone on it, before elsewhere),
     as a step's time differs between machines (several times over without native bf16) and between a trial
     alone and two side by side.
@@ -118,7 +120,7 @@ def estimated_seconds(trials: list[Trial], rows: list[dict], cfg: Config, machin
     out = {}
     for t in trials:
         tp, want = t.config.train, setting_of(t)
-        s_per_step = pace.get(_drafter_setting(want)) or pace.get(_with_target(want))
+        s_per_step = pace.get(_drafter_setting(want)) or pace.get(_plain_shape(want))
         steps = tp.max_steps or (math.ceil(tp.epochs * per_epoch[tp.scale]) if tp.scale in per_epoch else None)
         if s_per_step and steps:
             out[t.name] = steps * sum(s_per_step) / len(s_per_step)
@@ -152,7 +154,8 @@ def rows_in(*stepwise: Path) -> list[dict]:
 
 def replayed_parts(cfg: Config, stepwise: Path, machine: str | None = None) -> dict[str, dict]:
     """Per part `STUDY/PART` (a study without parts is one, `STUDY/(whole)`): its trial count, whether the study
-    decodes some of them end to end and, when every trial has a measured row in `stepwise/STUDY.json`, the seconds
+    decodes some of them end to end and, when every trial has a measured row in `stepwise/STUDY.json` (or one of its
+    setting and seed in another study's file, the trial that study trained), the seconds
     its trials take replayed as one sweep. Else the trials without one (`missing`) and, when each of them can be
     estimated from the paces of its drafter setting's rows (`estimated_seconds`), the replay with those estimates
     (`estimated_s`, naming the estimated trials in `estimated`). Beside either, `unwaved_s`: the same replay with
@@ -164,7 +167,8 @@ def replayed_parts(cfg: Config, stepwise: Path, machine: str | None = None) -> d
     for study, rows in by_study.items():
         trials = plan(cfg, study=study)
         for name, part in (check_parts(trials, cfg, study) or {WHOLE: trials}).items():
-            took = measured_seconds(part, rows)
+            # a trial another study trained (the same setting and seed: adopted by fingerprint) took what it took there
+            took = {**measured_seconds(part, everywhere), **measured_seconds(part, rows)}
             missing = [t.name for t in part if t.name not in took]
             got = {"trials": len(part), "decodes": decodes_any(cfg, study, part)}
             if not missing:

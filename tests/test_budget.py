@@ -140,3 +140,21 @@ def test_the_training_a_part_has_left_is_its_unfinished_trials_replayed_at_their
     assert training_left_s(cfg, hybrid, rows) == 1280 * 2.0     # one epoch of 6,000 conversations at 2 s a step
     assert training_left_s(cfg, [], rows) == 0.0
     assert training_left_s(cfg, large, rows) is None           # EAGLE-3 continued has no pace here
+
+
+def test_a_part_replays_trials_other_studies_trained_and_paces_eagle3_1_like_eagle3(tmp_path):
+    """The block study's autoregressive part at seed 0 on a new split: EAGLE-3, KV-only, the hybrid and EAGLE-3
+    continued are the depth and hybrid studies' trials (adopted by fingerprint), so their times there are measured
+    ones; EAGLE-3.1, trained nowhere yet, is paced like EAGLE-3 (its norms add no layer)."""
+    cfg = load_config("study")
+    (tmp_path / "depth.json").write_text(json.dumps([row("eagle3", wall=1000.0, train_steps=1000),
+                                                     row("kv_only", depth=4, wall=3000.0, train_steps=1000)]))
+    (tmp_path / "hybrid.json").write_text(json.dumps([row("hybrid", wall=2000.0, train_steps=1000),
+                                                      row("eagle3", init="continued", wall=1500.0, train_steps=1000)]))
+    got = replayed_parts(cfg, tmp_path)["block/ar-seed0"]
+    assert got["missing"] == got["estimated"] == ["eagle3.1"]
+    # EAGLE-3.1: 1,000 steps (the rows' steps) at EAGLE-3's 1 s a step. Wave 1: KV-only (3,000 s) beside EAGLE-3
+    # then EAGLE-3.1; wave 2, after it: the hybrid (2,000 s) beside EAGLE-3 continued (1,500 s)
+    assert got["estimated_s"] == pytest.approx(3000.0 + 2000.0)
+    assert replayed_parts(cfg, tmp_path / "nowhere")["block/ar-seed0"]["missing"] == [
+        "eagle3", "eagle3.1", "kv_only-d4", "hybrid-ckpt", "eagle3-continued"]
