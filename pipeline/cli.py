@@ -469,14 +469,15 @@ def repro(profile: Optional[str] = ProfileOpt,
 def _repro_parts(cfg: Config, profile: str, specs: list[str], dry_run: bool, committed_answers: bool = True) -> None:
     """`kvshot repro --part ...`: each part in order (`pipeline.repro_parts`), stopping at the first failure."""
     from pipeline.parts import expand_parts
-    from pipeline.repro_parts import part_state, run_part
+    from pipeline.repro_parts import measured_rows, part_state, run_part
     from stages.common import duration
 
     todo = expand_parts(cfg, specs)
+    rows = measured_rows(cfg, profile) if dry_run else None    # read once: the paces of every part's estimate
     ahead: set[str] = set()                 # trials the parts before will train: adopted by the later ones
     total, unknown = 0.0, 0
     for n, (study, name) in enumerate(todo, 1):
-        state = part_state(cfg, profile, study, name, ahead)
+        state = part_state(cfg, profile, study, name, rows, ahead)
         if dry_run:
             print(state.line())
             total += state.left_s or 0.0

@@ -70,10 +70,12 @@ class PartState:
         return f"part {self.name}: {self.finished} of {n} trials finished{more}{left}{then}"
 
 
-def part_state(cfg: Config, profile: str, study: str, part: str, ahead: set[str] | None = None) -> PartState:
-    """The state of one part (`expand_parts` gives the names) in the profile's workspace; reads only. `ahead`: the
+def part_state(cfg: Config, profile: str, study: str, part: str, rows: list[dict] | None = None,
+               ahead: set[str] | None = None) -> PartState:
+    """The state of one part (`expand_parts` gives the names) in the profile's workspace; reads only. With `rows`
+    (`measured_rows`: what `--dry-run` shows) also the training it has left at their paces; `ahead`: the
     fingerprints of the trials that parts run before this one will train (they are adopted here, so its training
-    left leaves them out); the part's own trials left are added to it."""
+    left leaves them out), to which the part's own trials left are added."""
     ws = _paths(profile)
     rows_of = finished_rows_in(ws, results_folder(cfg))
     trials = plan(cfg, {}, study, rows_of=rows_of)
@@ -92,18 +94,22 @@ def part_state(cfg: Config, profile: str, study: str, part: str, ahead: set[str]
     finished = rows_of(mine) if here else {}
     started = [t.name for t in mine if here and begun(t, ws)]
     done = done_part(ws.root, study, part, mine, finished, decode)
-    left = None
-    if done is None:
-        rows = rows_in(ws.root / "metrics" / "stepwise", results_folder(cfg) / "metrics" / "stepwise")
+    left, by_earlier = None, 0
+    if done is None and rows is not None:
         unfinished = [t for t in mine if t.name not in finished]
         # a workspace not made yet fingerprints nothing: no trial can be told to be another part's then
         todo = [t for t in unfinished if not t.fingerprint or t.fingerprint not in (ahead or set())]
-        left = training_left_s(cfg, todo, rows, hardware())
+        left, by_earlier = training_left_s(cfg, todo, rows, hardware()), len(unfinished) - len(todo)
         if ahead is not None:
             ahead.update(t.fingerprint for t in todo if t.fingerprint)
     return PartState(study, part, mine, decode, len(finished), len(started),
-                     sum(name not in finished for name in started), done, waits, left,
-                     len(unfinished) - len(todo) if done is None else 0)
+                     sum(name not in finished for name in started), done, waits, left, by_earlier)
+
+
+def measured_rows(cfg: Config, profile: str) -> list[dict]:
+    """The rows whose paces estimate the training parts have left: the profile's workspace's and its committed
+    results folder's."""
+    return rows_in(_paths(profile).root / "metrics" / "stepwise", results_folder(cfg) / "metrics" / "stepwise")
 
 
 def run_part(cfg: Config, profile: str, state: PartState, echo=lambda line: None,

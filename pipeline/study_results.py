@@ -68,8 +68,8 @@ def merge(workspace: Path, results: Path, staging: Path) -> Merged:
     """Lay out under `staging` (emptied first) the metrics/ and scratch/ a report reads: the committed `results`
     folder's, overlaid with the `workspace`'s. Reads only; `results` and `workspace` are left as they are."""
     workspace, results = Path(workspace), Path(results)
-    began = _study_metrics(workspace / "metrics" / "stepwise")
-    ws_metrics = {name: path for name, path in began.items() if read_rows(path)}
+    began = {name: read_rows(path) for name, path in _study_metrics(workspace / "metrics" / "stepwise").items()}
+    ws_metrics = {name: rows for name, rows in began.items() if rows}    # a study begun without a finished trial: none
     if not ws_metrics:
         raise StageError(f"{workspace}: no rows in metrics/stepwise/*.json (run a study there first)")
     if staging.exists():
@@ -78,10 +78,12 @@ def merge(workspace: Path, results: Path, staging: Path) -> Merged:
     (staging / "scratch").mkdir()
     committed = _study_metrics(results / "metrics" / "stepwise")
     combined, other_data = [], {}
-    for name, path in {**committed, **ws_metrics}.items():
-        rows = read_rows(path)
-        if name in committed and name in ws_metrics:
-            before = read_rows(committed[name])
+    for name in {**committed, **ws_metrics}:
+        before = read_rows(committed[name]) if name in committed else []
+        rows = ws_metrics.get(name)
+        if rows is None:
+            rows = before
+        else:
             kept = same_data_rows(before, rows)
             if kept:
                 combined.append(name)
@@ -91,7 +93,7 @@ def merge(workspace: Path, results: Path, staging: Path) -> Merged:
             if left_out:
                 other_data[name] = left_out
             rows = kept + rows
-        write_json_atomic(staging / "metrics" / "stepwise" / path.name, rows)
+        write_json_atomic(staging / "metrics" / "stepwise" / f"{name}.json", rows)
     _merge_plans(workspace / "runs", results / "metrics" / "plans", staging / "metrics" / "plans", set(combined),
                  set(ws_metrics))
     e2e_from = _merge_e2e(workspace / "metrics" / "e2e.json", results / "metrics" / "e2e.json",
